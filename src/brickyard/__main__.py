@@ -1,0 +1,3 @@
+from brickyard.cli import main
+
+raise SystemExit(main())

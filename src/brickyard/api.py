@@ -1,0 +1,87 @@
+"""The Python API: the CLI is a thin layer over these functions."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from brickyard.config import Config, build, load_config
+from brickyard.data import DataBundle, build_data, from_user
+from brickyard.errors import ConfigError
+from brickyard.runlog import default_run_dir
+
+
+def resolve_config(config=None, overrides=()) -> Config:
+    """A ``Config`` from a Config, a dict of sections, a preset name or a YAML path."""
+    if config is None:
+        return build({}, overrides)
+    if isinstance(config, Config):
+        return build(config.to_dict(), overrides) if overrides else config
+    if isinstance(config, dict):
+        return build(config, overrides)
+    if isinstance(config, (str, Path)):
+        return load_config(str(config), overrides)
+    raise ConfigError(f"config: expected a Config, a dict, a preset name or a YAML path, got {type(config).__name__}.")
+
+
+def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, num_classes=None,
+        run_dir=None, resume=None, overrides=()) -> dict:
+    """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
+
+    ``train_data`` / ``val_data`` / ``test_data``: ``(images, labels)`` tensors (images N x C x H x W,
+    uint8 0-255 or float) or any ``torch.utils.data.Dataset`` of ``(image, label)`` pairs.
+    """
+    from brickyard.trainer import train
+    cfg = resolve_config(config, overrides)
+    data = from_user(train_data, val_data, test_data, num_classes)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
+    return train(cfg, model, data, run_dir, resume, {"name": type(model).__name__})
+
+
+def build_model(cfg: Config, data: DataBundle) -> nn.Module:
+    from brickyard import models
+    return models.create(cfg.model.name, cfg.model.num_classes or data.num_classes,
+                         cfg.model.in_channels or data.in_channels, data.image_size)
+
+
+def train_config(cfg: Config, run_dir=None, resume=None) -> dict:
+    """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
+    from brickyard.trainer import train
+    data = build_data(cfg.data)
+    model = build_model(cfg, data)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
+    meta = {"name": cfg.model.name, "registry": True}
+    return train(cfg, model, data, run_dir, resume, meta)
+
+
+def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
+    """Rebuild a registry model from a brickyard checkpoint; returns (model, state, config)."""
+    from brickyard import checkpoint as ckpt
+    from brickyard import models
+    from brickyard.errors import CheckpointError
+    state = ckpt.load(path)
+    meta = state.get("meta", {})
+    if not meta.get("registry"):
+        raise CheckpointError(f"checkpoint {path} holds a user model ({meta.get('name')}); rebuild it in Python and load state['model'].")
+    cfg = build(state["config"])
+    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
+    ckpt.check_model(state, model, Path(path))
+    model.load_state_dict(state["model"])
+    return model, state, cfg
+
+
+def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
+    from brickyard import device as dev
+    from brickyard.data.augment import DevicePrep
+    from brickyard.trainer import evaluate
+    model, state, cfg = load_checkpoint_model(path)
+    data = build_data(cfg.data)
+    part = getattr(data, split)
+    if part is None:
+        raise ConfigError(f"--split {split}: this data set has no {split} split (data.train_on_all is on?).")
+    d = dev.resolve_device(device)
+    precision = dev.resolve_precision(cfg.train.precision, d)
+    model.to(d)
+    prep = DevicePrep(data.mean, data.std, device=d)
+    r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size)
+    return {"checkpoint": str(path), "split": split, "step": state["step"], **r}

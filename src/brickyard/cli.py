@@ -1,0 +1,166 @@
+"""The ``brickyard`` command line: argparse at the edge, the Python API underneath.
+
+``main(argv=None)`` returns the exit code: 0 on success, 2 for a user error (printed as one
+line starting with ``error:``), 130 when interrupted (after a checkpoint was written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from brickyard.errors import BrickyardError
+
+EXAMPLES = {
+    "train": """examples:
+  brickyard train                                   # the default preset (mnist), best device
+  brickyard train mnist-course                      # the classic course recipe
+  brickyard train my.yaml --set optim.lr=0.05 --set data.batch_size=256
+  brickyard train mnist --device cpu --run-dir runs/a --resume auto
+  brickyard train mnist --devices cpu:2             # 2 processes, gloo all-reduce
+  brickyard train mnist --devices 0,1 --log-dir logs  # one process per listed GPU
+""",
+    "eval": """examples:
+  brickyard eval runs/mnist-20261121-120000/checkpoints/best.pt
+  brickyard eval runs/a/checkpoints/step-0000782.pt --split val
+""",
+    "data": """examples:
+  brickyard data fetch mnist
+  brickyard data info fashion-mnist
+""",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="brickyard", description="Train image classifiers on one CPU, one GPU, "
+                                "the GPUs you pick, or many machines.",
+                                epilog="run `brickyard COMMAND --help` for a command's options and examples.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
+
+    t = sub.add_parser("train", help="train a model", epilog=EXAMPLES["train"], formatter_class=raw)
+    t.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. optim.lr=0.05 (repeatable)")
+    t.add_argument("--device", help="auto, cpu, cuda or cuda:N (same as --set train.device=...)")
+    t.add_argument("--run-dir", help="run directory (default runs/<preset>-<timestamp>)")
+    t.add_argument("--resume", metavar="auto|PATH", help="continue from the newest valid checkpoint or a file")
+    t.add_argument("--devices", metavar="SPEC", help="cpu, cpu:N, cuda, all, or GPU ids like 0,1,2,3")
+    t.add_argument("--log-dir", help="folder for workerlog.N files (default RUN_DIR/logs)")
+    t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
+    t.add_argument("--nnodes", type=int, default=1, help="number of machines")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint", epilog=EXAMPLES["eval"], formatter_class=raw)
+    e.add_argument("checkpoint")
+    e.add_argument("--split", choices=("val", "test", "train"), default="test")
+    e.add_argument("--device", default="auto")
+
+    d = sub.add_parser("data", help="fetch or describe a data set", epilog=EXAMPLES["data"], formatter_class=raw)
+    dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
+    for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds")):
+        a = dsub.add_parser(name, help=doc)
+        a.add_argument("name", help="mnist or fashion-mnist")
+        a.add_argument("--root", help="folder holding the data set's files")
+
+    sub.add_parser("models", help="list the model registry with parameter counts")
+    sub.add_parser("presets", help="list the shipped presets")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except BrickyardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_train(args) -> int:
+    from brickyard import api
+    overrides = list(args.overrides)
+    if args.device:
+        overrides.append(f"train.device={args.device}")
+    cfg = api.resolve_config(args.config or "mnist", overrides)
+    if args.devices or args.nnodes > 1:
+        from brickyard import launch
+        return launch.launch(args, cfg)
+    run_dir = args.run_dir or str(_default_run_dir(cfg))
+    if args.log_dir:
+        raise BrickyardError("--log-dir applies to multi-process runs (--devices); single runs log to RUN_DIR/logs.")
+    summary = api.train_config(cfg, run_dir, args.resume)
+    _print_result(summary)
+    return 0
+
+
+def _default_run_dir(cfg):
+    from brickyard.runlog import default_run_dir
+    return default_run_dir(cfg.preset)
+
+
+def _print_result(summary: dict) -> None:
+    acc = summary.get("test_accuracy")
+    shown = f"{acc:.4f}" if acc is not None else "n/a"
+    print(f"run dir: {summary['run_dir']}")
+    print(f"test accuracy: {shown} ({summary['steps']} steps, {summary['train_seconds']:.1f}s training, "
+          f"{summary['images_per_second']:,.0f} img/s on {summary['device']})")
+
+
+def cmd_eval(args) -> int:
+    from brickyard.api import evaluate_checkpoint
+    r = evaluate_checkpoint(args.checkpoint, args.split, args.device)
+    print(json.dumps(r))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from brickyard.data import idx
+    if args.data_command is None:
+        raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
+    if args.name not in idx.SPECS:
+        raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
+    if args.data_command == "fetch":
+        arrays = idx.load_idx(args.name, args.root, allow_download=True)
+        print(f"{args.name}: {len(arrays['train-labels-idx1-ubyte']):,} train + "
+              f"{len(arrays['t10k-labels-idx1-ubyte']):,} test images verified in {idx.locate(args.name, args.root)}")
+        return 0
+    folder = idx.locate(args.name, args.root)
+    print(f"{args.name}: classes {', '.join(idx.classes(args.name))}")
+    print(f"looked up in: {', '.join(str(d) for d in idx.candidate_dirs(args.name, args.root))}")
+    if folder is None:
+        print("not present; `brickyard data fetch` downloads it")
+        return 1
+    arrays = idx.load_idx(args.name, args.root, allow_download=False)
+    tr, te = arrays["train-images-idx3-ubyte"], arrays["t10k-images-idx3-ubyte"]
+    print(f"found in {folder}: train {tuple(tr.shape)} uint8, test {tuple(te.shape)} uint8 (checksums verified)")
+    print("default split: train 50,000 / val 10,000 / test 10,000 (data.train_on_all: true trains on 60,000)")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from brickyard import models
+    for name in models.names():
+        size = (28, 28) if name in ("mnist_cnn", "lenet", "mlp", "convnet") else (32, 32) if name == "resnet18" else (224, 224)
+        channels = 1 if size == (28, 28) else 3
+        n = models.count_parameters(models.create(name, 10, channels, size))
+        print(f"{name:<18} {n:>12,} params  ({channels}x{size[0]}x{size[1]}, 10 classes)  {models.describe(name)}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from brickyard.config import list_presets
+    for name, doc in list_presets().items():
+        print(f"{name:<18} {doc}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

@@ -1,0 +1,330 @@
+"""One typed, frozen configuration: defaults, then a YAML file, then ``--set`` overrides.
+
+``load_config(source, overrides)`` is the only way a ``Config`` is built from user input.
+Every key is checked against the dataclasses below before anything runs: an unknown key, a
+wrong type or a value out of range raises ``ConfigError`` with one line naming the key, the
+bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from brickyard.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def _opt(default, *, choices=None, min=None, max=None, doc=""):
+    """A config field with validation metadata (``choices``, inclusive ``min``/``max``)."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    num_train: int = _opt(2048, min=1, doc="training images")
+    num_val: int = _opt(512, min=0, doc="validation images")
+    num_test: int = _opt(512, min=0, doc="test images")
+    channels: int = _opt(1, min=1)
+    height: int = _opt(28, min=4)
+    width: int = _opt(28, min=4)
+    num_classes: int = _opt(10, min=2)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic"))
+    root: Union[str, None] = _opt(None, doc="folder holding this data set's files")
+    download: bool = _opt(True, doc="download missing files from the public mirrors")
+    batch_size: int = _opt(128, min=1, doc="per-device batch size")
+    eval_batch_size: int = _opt(250, min=1)
+    train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
+    loader: str = _opt("auto", choices=("auto", "memory", "stream"))
+    num_workers: int = _opt(2, min=0, doc="streaming loader worker processes")
+    prefetch: int = _opt(2, min=1, doc="streaming loader batches prefetched per worker")
+    pin_memory: bool = _opt(True)
+    augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
+    shift: int = _opt(2, min=0, max=16, doc="pixels for shift / crop augmentation")
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = _opt("mnist_cnn", doc="a name from `brickyard models`")
+    num_classes: int = _opt(0, min=0, doc="0 = from the data set")
+    in_channels: int = _opt(0, min=0, doc="0 = from the data set")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = _opt("nesterov", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
+    lr: float = _opt(0.05, min=0.0, doc="base (peak) learning rate")
+    momentum: float = _opt(0.9, min=0.0, max=1.0)
+    weight_decay: float = _opt(5e-4, min=0.0)
+    betas: tuple = _opt((0.9, 0.999))
+    eps: float = _opt(1e-8, min=0.0)
+    label_smoothing: float = _opt(0.0, min=0.0, max=1.0)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = _opt("onecycle", choices=("constant", "step", "cosine", "onecycle", "warmup_linear"))
+    warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant)")
+    lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
+    lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")
+    lr_end: float = _opt(0.0, min=0.0, doc="final rate (warmup_linear, cosine)")
+    step_epochs: float = _opt(1.0, min=0.0, doc="step: decay every this many epochs")
+    gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor")
+    pct_start: float = _opt(0.25, min=0.0, max=1.0, doc="onecycle: fraction of steps rising")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: float = _opt(2.0, min=0.0, doc="may be fractional")
+    max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit)")
+    device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
+    precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
+    channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
+    compile: bool = _opt(False)
+    grad_accum: int = _opt(1, min=1)
+    grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
+    seed: int = _opt(0, min=0)
+    deterministic: bool = _opt(False)
+    log_every: int = _opt(100, min=1, doc="steps between loss read-backs")
+    eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
+    progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
+    threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = _opt(0, min=0, doc="0 = off")
+    every_epoch: bool = _opt(True)
+    keep_last: int = _opt(2, min=1)
+    keep_best: bool = _opt(True)
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    servers: int = _opt(1, min=1)
+    sync: bool = _opt(True)
+    max_staleness: int = _opt(2, min=0)
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    mode: str = _opt("collective", choices=("collective", "ps"))
+    backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
+    scale_lr: str = _opt("none", choices=("none", "linear"))
+    scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
+    timeout_s: int = _opt(300, min=1)
+    sync_bn: bool = _opt(False)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str = _opt("custom")
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def to_dict(self) -> dict:
+        return _to_plain(dataclasses.asdict(self))
+
+    def replace(self, **changes) -> "Config":
+        """Return a copy with dotted-key changes, validated like user overrides."""
+        return build(self.to_dict(), [f"{k}={_yaml_value(v)}" for k, v in changes.items()])
+
+
+def _to_plain(value):
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _yaml_value(v) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and validating
+
+
+def list_presets() -> dict[str, str]:
+    """Preset name -> first comment line of its YAML file."""
+    out = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        out[path.stem] = first.lstrip("# ").strip()
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}).") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror}).") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides."""
+    source = source or "mnist"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {source} does not exist.")
+        raw = _read_yaml(path)
+        raw.setdefault("preset", path.stem)
+    elif (PRESET_DIR / f"{source}.yaml").is_file():
+        raw = _read_yaml(PRESET_DIR / f"{source}.yaml")
+        raw["preset"] = source
+    else:
+        names = ", ".join(list_presets())
+        raise ConfigError(f"'{source}' is neither a YAML file nor a preset; presets: {names}.")
+    base = raw.pop("base", None)
+    if base is not None:
+        parent = load_config(str(base)).to_dict()
+        raw = _deep_merge(parent, raw)
+    return build(raw, overrides)
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
+    raw = dict(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.05.")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if not isinstance(child, dict):
+                child = {}
+                node[p] = child
+            node = child
+        node[parts[-1]] = value
+    return _make(Config, raw, "")
+
+
+def _make(cls, raw, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {raw!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            allowed = ", ".join(fields)
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed in this section: {allowed}.")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _make(tp, raw[name] if raw[name] is not None else {}, key + ".")
+        else:
+            kwargs[name] = _check(key, raw[name], tp, f.metadata)
+    return cls(**kwargs)
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return {type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _check(key: str, value: Any, tp, meta) -> Any:
+    allowed_types = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    coerced = _coerce(value, allowed_types)
+    if coerced is _BAD:
+        raise ConfigError(f"{key}: {value!r} is not a {_type_name(tp)}.")
+    choices = meta.get("choices")
+    if choices is not None and coerced not in choices:
+        shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+        raise ConfigError(f"{key}: {value!r} is not one of {shown}.")
+    lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(coerced, (int, float)) and not isinstance(coerced, bool):
+        if coerced != coerced:
+            raise ConfigError(f"{key}: NaN is not allowed.")
+        if lo is not None and coerced < lo:
+            raise ConfigError(f"{key}: {value!r} is below the minimum {lo}.")
+        if hi is not None and coerced > hi:
+            raise ConfigError(f"{key}: {value!r} is above the maximum {hi}.")
+    return coerced
+
+
+_BAD = object()
+
+
+def _coerce(value, allowed_types):
+    for tp in allowed_types:
+        if tp is type(None) and value is None:
+            return None
+        if tp is bool and isinstance(value, bool):
+            return value
+        if tp is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if tp is str and isinstance(value, str):
+            return value
+        if tp in (tuple, list) and isinstance(value, (list, tuple)):
+            return tuple(value)
+    return _BAD
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) rows for the config reference in the README and ``--help``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += describe(tp, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        doc = f.metadata.get("doc", "")
+        if f.metadata.get("choices"):
+            doc = (doc + "; " if doc else "") + "one of " + ", ".join(map(str, f.metadata["choices"]))
+        rows.append((prefix + f.name, repr(default), doc))
+    return rows

@@ -1,0 +1,104 @@
+"""Data sets behind one interface: a ``DataBundle`` of train / val / test ``Split`` objects.
+
+A split holds either whole tensors (uint8 or float images N x C x H x W and int64 labels) that
+the in-memory loader moves to the device, or a ``torch.utils.data.Dataset`` for the streaming
+loader. Normalisation and augmentation happen on the device, after a batch is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from brickyard.errors import DataError
+
+
+@dataclass
+class Split:
+    images: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    dataset: torch.utils.data.Dataset | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels) if self.labels is not None else len(self.dataset)
+
+    def as_dataset(self) -> torch.utils.data.Dataset:
+        if self.dataset is not None:
+            return self.dataset
+        return torch.utils.data.TensorDataset(self.images, self.labels)
+
+
+@dataclass
+class DataBundle:
+    name: str
+    train: Split
+    val: Split | None
+    test: Split | None
+    num_classes: int
+    in_channels: int
+    image_size: tuple[int, int]
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.train.images is not None
+
+
+MNIST_STATS = {"mnist": ((0.1307,), (0.3081,)), "fashion-mnist": ((0.2860,), (0.3530,))}
+
+
+def build_data(cfg) -> DataBundle:
+    """Load the data set named by ``cfg`` (a ``DataConfig``)."""
+    if cfg.name == "synthetic":
+        from brickyard.data.synthetic import synthetic_bundle
+        return synthetic_bundle(cfg.synthetic, seed=1234)
+    from brickyard.data import idx
+
+    arrays = idx.load_idx(cfg.name, cfg.root, cfg.download)
+    x_train = torch.from_numpy(arrays["train-images-idx3-ubyte"].copy()).unsqueeze(1)
+    y_train = torch.from_numpy(arrays["train-labels-idx1-ubyte"].astype("int64"))
+    x_test = torch.from_numpy(arrays["t10k-images-idx3-ubyte"].copy()).unsqueeze(1)
+    y_test = torch.from_numpy(arrays["t10k-labels-idx1-ubyte"].astype("int64"))
+    if cfg.train_on_all:
+        train, val = Split(x_train, y_train), None
+    else:  # the classic split: first 50,000 for training, last 10,000 for validation
+        train, val = Split(x_train[:50000], y_train[:50000]), Split(x_train[50000:], y_train[50000:])
+    mean, std = MNIST_STATS[cfg.name]
+    return DataBundle(cfg.name, train, val, Split(x_test, y_test), 10, 1, (28, 28), mean, std, list(idx.classes(cfg.name)))
+
+
+def from_user(train, val=None, test=None, num_classes: int | None = None) -> DataBundle:
+    """Wrap user data for ``brickyard.fit``: ``(images, labels)`` tensors or a Dataset of pairs."""
+    splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
+    first = splits[0]
+    if first.images is not None:
+        sample, labels = first.images[0], first.labels
+    else:
+        sample, _ = first.dataset[0]
+        labels = None
+    if not isinstance(sample, torch.Tensor) or sample.dim() != 3:
+        raise DataError("train_data images must be tensors shaped C x H x W.")
+    if num_classes is None:
+        if labels is None:
+            raise DataError("pass num_classes to fit() when train_data is a Dataset.")
+        num_classes = int(labels.max()) + 1
+    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, sample.shape[0], tuple(sample.shape[1:]))
+
+
+def _user_split(data, name: str) -> Split | None:
+    if data is None:
+        return None
+    if isinstance(data, Split):
+        return data
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        images, labels = data
+        if images.dim() == 3:
+            images = images.unsqueeze(1)
+        if images.dim() != 4 or len(images) != len(labels):
+            raise DataError(f"{name}: expected images N x C x H x W and N labels, got {tuple(images.shape)} and {tuple(labels.shape)}.")
+        return Split(images, labels.long())
+    if isinstance(data, torch.utils.data.Dataset):
+        return Split(dataset=data)
+    raise DataError(f"{name}: expected an (images, labels) pair of tensors or a torch Dataset, got {type(data).__name__}.")

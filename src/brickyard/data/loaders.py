@@ -1,0 +1,133 @@
+"""Two loading paths behind one interface, both driven by the same ``BatchPlan``.
+
+- ``InMemoryLoader``: the whole split as one tensor on the training device; batches are index
+  slices of a seeded per-epoch permutation. No worker processes, no host round trips.
+- ``StreamLoader``: a ``torch.utils.data.DataLoader`` with workers, prefetching and pinned memory,
+  fed by the same plan through a batch sampler, for data that does not fit.
+
+Both yield ``(x, y, n_global)`` where ``x`` is still raw (uint8 or float) and ``n_global`` is the
+number of samples in this step's *global* batch (all ranks together); the trainer scales the
+loss by it so gradients are exact means also for a short last batch. Because both paths follow
+one plan, they produce the same batches, and a run resumed at step k of an epoch sees exactly
+the batches it would have seen.
+"""
+from __future__ import annotations
+
+import torch
+
+from brickyard.data import Split
+
+
+class BatchPlan:
+    """Which sample indices rank ``rank`` uses at each step of each epoch.
+
+    Epoch ``e`` uses ``randperm(n)`` seeded with ``(seed, e)``; step ``s`` takes the global batch
+    ``perm[s*G:(s+1)*G]`` (G = batch_size x world) and this rank gets its contiguous part, so the
+    ranks' shards are disjoint and together cover the epoch. A final partial global batch is kept
+    when every rank gets at least one sample, otherwise dropped.
+    """
+
+    def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+        self.n, self.batch_size, self.world, self.rank, self.seed, self.shuffle = n, batch_size, world, rank, seed, shuffle
+        self.global_batch = batch_size * world
+        full, rem = divmod(n, self.global_batch)
+        self.steps_per_epoch = full + (1 if rem >= world else 0)
+        if self.steps_per_epoch == 0:
+            from brickyard.errors import DataError
+            raise DataError(f"the training split has {n} samples, fewer than the {world} ranks; use a smaller world size.")
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def n_global(self, step: int) -> int:
+        return min(self.global_batch, self.n - step * self.global_batch)
+
+    def batches(self, epoch: int, start: int = 0):
+        """Yield ``(local_indices, n_global)`` for steps ``start..steps_per_epoch-1``."""
+        perm = self.permutation(epoch)
+        for step in range(start, self.steps_per_epoch):
+            chunk = perm[step * self.global_batch:(step + 1) * self.global_batch]
+            yield chunk.tensor_split(self.world)[self.rank], len(chunk)
+
+
+class InMemoryLoader:
+    def __init__(self, split: Split, plan: BatchPlan, device: torch.device):
+        self.plan = plan
+        self.images = split.images.to(device)
+        self.labels = split.labels.to(device)
+        self.device = device
+
+    def epoch(self, epoch: int, start: int = 0):
+        perm = self.plan.permutation(epoch).to(self.device)
+        p = self.plan
+        for step in range(start, p.steps_per_epoch):
+            chunk = perm[step * p.global_batch:(step + 1) * p.global_batch]
+            idx = chunk.tensor_split(p.world)[p.rank]
+            yield self.images[idx], self.labels[idx], len(chunk)
+
+    def close(self):
+        pass
+
+
+class _PlanSampler(torch.utils.data.Sampler):
+    """A batch sampler whose epoch and start step are set before each pass."""
+
+    def __init__(self, plan: BatchPlan):
+        self.plan, self.epoch, self.start = plan, 0, 0
+
+    def __iter__(self):
+        for idx, _ in self.plan.batches(self.epoch, self.start):
+            yield idx.tolist()
+
+    def __len__(self):
+        return self.plan.steps_per_epoch - self.start
+
+
+class StreamLoader:
+    def __init__(self, split: Split, plan: BatchPlan, device: torch.device, num_workers: int = 2,
+                 prefetch: int = 2, pin_memory: bool = True, collate_fn=None):
+        self.plan, self.device = plan, device
+        self.sampler = _PlanSampler(plan)
+        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=collate_fn)
+        if num_workers > 0:
+            kwargs.update(prefetch_factor=prefetch, persistent_workers=True)
+        self.loader = torch.utils.data.DataLoader(split.as_dataset(), batch_sampler=self.sampler, **kwargs)
+
+    def epoch(self, epoch: int, start: int = 0):
+        self.sampler.epoch, self.sampler.start = epoch, start
+        non_blocking = self.device.type == "cuda"
+        for step, (x, y) in enumerate(self.loader, start):
+            yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking), self.plan.n_global(step)
+
+    def close(self):
+        del self.loader
+
+
+def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int):
+    """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
+    plan = BatchPlan(len(split), cfg.batch_size, world, rank, seed)
+    kind = cfg.loader
+    if kind == "auto":
+        kind = "memory" if split.images is not None else "stream"
+    if kind == "memory" and split.images is None:
+        from brickyard.errors import ConfigError
+        raise ConfigError("data.loader: 'memory' needs a data set held as tensors; this one streams from files, use stream.")
+    if kind == "memory":
+        return InMemoryLoader(split, plan, device)
+    return StreamLoader(split, plan, device, cfg.num_workers, cfg.prefetch, cfg.pin_memory)
+
+
+def eval_batches(split: Split, batch_size: int, device: torch.device, world: int = 1, rank: int = 0, num_workers: int = 0):
+    """This rank's contiguous, unpadded share of ``split`` in batches: every sample counted once."""
+    mine = torch.arange(len(split)).tensor_split(world)[rank]
+    if split.images is not None:
+        for chunk in mine.split(batch_size):
+            yield split.images[chunk].to(device), split.labels[chunk].to(device)
+        return
+    subset = torch.utils.data.Subset(split.dataset, mine.tolist())
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=num_workers)
+    for x, y in loader:
+        yield x.to(device), y.to(device)

@@ -1,0 +1,80 @@
+"""Device, precision and thread choices; every refusal is a ``DeviceError`` sentence."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from brickyard.errors import DeviceError
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``; ``cuda`` means the GPU of this local rank."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {spec!r} asked for, but CUDA is not available on this machine (use --device cpu).")
+        count = torch.cuda.device_count()
+        index = local_rank if spec == "cuda" else _index(spec)
+        if index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            note = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+            raise DeviceError(f"GPU {index} does not exist; this machine shows {count} GPU(s){note}.")
+        return torch.device("cuda", index)
+    raise DeviceError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N.")
+
+
+def _index(spec: str) -> int:
+    try:
+        return int(spec.split(":", 1)[1])
+    except ValueError:
+        raise DeviceError(f"device {spec!r}: the part after 'cuda:' must be a GPU number.") from None
+
+
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:  # without AVX-512 BF16 / AMX, bf16 on CPU is emulated and several times slower
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if bf16_supported(device) else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise DeviceError("train.precision: 'fp16' needs a CUDA device; use bf16 or fp32 on a CPU.")
+    return precision
+
+
+def resolve_channels_last(value, precision: str, device: torch.device) -> bool:
+    if value == "auto":  # measured faster for the conv nets here on CPU (fp32 and bf16) and on GPUs
+        return True
+    return bool(value)
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def set_threads(requested: int, local_world_size: int) -> int:
+    """Intra-op threads for this process: N processes on C cores get C // N each (at least 1)."""
+    n = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(n)
+    return n
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"

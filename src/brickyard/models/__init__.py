@@ -1,0 +1,45 @@
+"""The model registry: ``@register`` names a factory ``f(num_classes, in_channels, image_size)``.
+
+Models are plain ``nn.Module``s; they know nothing of devices, ranks or logging.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from brickyard.errors import ConfigError
+
+_REGISTRY: dict[str, tuple[Callable[..., nn.Module], str]] = {}
+
+
+def register(name: str, doc: str):
+    def wrap(fn):
+        _REGISTRY[name] = (fn, doc)
+        return fn
+    return wrap
+
+
+def _load_all():
+    from brickyard.models import resnet, small, vgg  # noqa: F401  (registration side effect)
+
+
+def names() -> list[str]:
+    _load_all()
+    return list(_REGISTRY)
+
+
+def describe(name: str) -> str:
+    _load_all()
+    return _REGISTRY[name][1]
+
+
+def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28)) -> nn.Module:
+    _load_all()
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.name: {name!r} is not one of {', '.join(_REGISTRY)}.")
+    return _REGISTRY[name][0](num_classes=num_classes, in_channels=in_channels, image_size=tuple(image_size))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,104 @@
+"""ResNets with torchvision's parameter names, so its ImageNet state_dicts load unchanged.
+
+``resnet18`` is the small-image variant (3x3 stem, stride 1, no max-pool); ``resnet18_imagenet``
+and ``resnet50`` keep the standard 7x7 stride-2 stem and max-pool.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from brickyard.models import register
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.relu(self.bn3(self.conv3(out)) + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, block, layers, num_classes=1000, in_channels=3, small_input=False):
+        super().__init__()
+        self.inplanes = 64
+        if small_input:
+            self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+            self.maxpool = nn.Identity()
+        else:
+            self.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+            self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = self._layer(block, 64, layers[0], 1)
+        self.layer2 = self._layer(block, 128, layers[1], 2)
+        self.layer3 = self._layer(block, 256, layers[2], 2)
+        self.layer4 = self._layer(block, 512, layers[3], 2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def _layer(self, block, planes, blocks, stride):
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride, bias=False),
+                nn.BatchNorm2d(planes * block.expansion),
+            )
+        layers = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+@register("resnet18", "ResNet-18 for small images (3x3 stem, stride 1, no max-pool)")
+def resnet18(num_classes=10, in_channels=3, image_size=(32, 32)):
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels, small_input=True)
+
+
+@register("resnet18_imagenet", "ResNet-18, ImageNet layout (torchvision key names)")
+def resnet18_imagenet(num_classes=1000, in_channels=3, image_size=(224, 224)):
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels)
+
+
+@register("resnet50", "ResNet-50, ImageNet layout (torchvision key names)")
+def resnet50(num_classes=1000, in_channels=3, image_size=(224, 224)):
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, in_channels)

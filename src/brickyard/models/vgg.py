@@ -1,0 +1,35 @@
+"""VGG-16 with torchvision's layout and parameter names (``features.N``, ``classifier.N``)."""
+from __future__ import annotations
+
+from torch import nn
+
+from brickyard.models import register
+
+CFG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+
+
+class VGG(nn.Module):
+    def __init__(self, num_classes=1000, in_channels=3):
+        super().__init__()
+        layers, c = [], in_channels
+        for v in CFG16:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
+                c = v
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(),
+            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x):
+        return self.classifier(self.avgpool(self.features(x)).flatten(1))
+
+
+@register("vgg16", "VGG-16, ImageNet layout (torchvision key names)")
+def vgg16(num_classes=1000, in_channels=3, image_size=(224, 224)):
+    return VGG(num_classes, in_channels)

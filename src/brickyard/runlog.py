@@ -1,0 +1,104 @@
+"""Run directories, the rank-aware logger and the metrics file.
+
+- ``Logger``: every line carries ``[rank N]``; each rank writes its own ``logs/workerlog.N``; rank 0
+  also writes ``train.log`` and, by default, the console. Other ranks never print.
+- ``MetricsWriter``: rank 0 appends one JSON object per line to ``metrics.jsonl`` and flushes, so
+  a crash loses at most the line being written.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def default_run_dir(preset: str) -> Path:
+    return Path("runs") / f"{preset}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+class Logger:
+    def __init__(self, rank: int = 0, files: tuple[Path, ...] = (), console: bool = True):
+        self.rank = rank
+        self.console = console and rank == 0
+        self.streams = []
+        for f in files:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            self.streams.append(open(f, "a", buffering=1))
+
+    def _line(self, level: str, msg: str) -> str:
+        stamp = datetime.datetime.now().strftime("%H:%M:%S")
+        tag = "" if level == "info" else f"{level.upper()}: "
+        return f"{stamp} [rank {self.rank}] {tag}{msg}"
+
+    def info(self, msg: str, console: bool = True) -> None:
+        self._emit("info", msg, console)
+
+    def warning(self, msg: str) -> None:
+        self._emit("warning", msg, True)
+
+    def _emit(self, level: str, msg: str, console: bool) -> None:
+        line = self._line(level, msg)
+        for s in self.streams:
+            s.write(line + "\n")
+        if self.console and console:
+            out = sys.stderr if level != "info" else sys.stdout
+            print(msg if level == "info" else f"warning: {msg}", file=out, flush=True)
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+        self.streams = []
+
+
+class MetricsWriter:
+    def __init__(self, path: Path | None):
+        self.f = open(path, "a", buffering=1) if path else None
+
+    def write(self, **record) -> None:
+        if self.f:
+            record.setdefault("time", round(time.time(), 3))
+            self.f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+            self.f = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+    return rows
+
+
+def env_record(device: torch.device, seed: int, world_size: int, extra: dict | None = None) -> dict:
+    import numpy
+    from brickyard import __version__
+    info = {
+        "brickyard": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "numpy": numpy.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": str(device),
+        "cuda": torch.version.cuda, "seed": seed, "world_size": world_size, "command": sys.argv,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    info.update(extra or {})
+    return info
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,348 @@
+"""The training loop, for one process of a job of any size.
+
+``train(cfg, model, data, run_dir)`` does everything a run needs: device and precision, the
+process group, loaders, the optimiser, checkpoints and resume, evaluation and the summary.
+
+Position in training is one integer, the optimiser ``step``: epoch = step // steps_per_epoch and
+the batch inside the epoch follow from it, the learning rate is a pure function of it, and the
+batch plan and augmentation are seeded from it. A checkpoint therefore needs only the weights,
+optimiser/scaler state, RNG state and ``step`` to resume exactly.
+
+Host syncs: the loop accumulates loss and accuracy sums on the device and reads them back
+(``.item()`` after an all-reduce) only every ``train.log_every`` steps and at evaluations.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brickyard import checkpoint as ckpt
+from brickyard import device as dev
+from brickyard import dist
+from brickyard.config import Config, save_config
+from brickyard.data import DataBundle, Split
+from brickyard.data.augment import DevicePrep
+from brickyard.data.loaders import eval_batches, make_train_loader
+from brickyard.errors import BrickyardError, CheckpointError
+from brickyard.optim import Schedule, build_optimizer, set_lr
+from brickyard.runlog import Logger, MetricsWriter, env_record, write_json
+
+
+class Interrupted(BrickyardError):
+    exit_code = 130
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM; the loop checks it between steps and saves before leaving."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # a second Ctrl-C leaves at once
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.device, precision: str,
+             batch_size: int, world: int = 1, rank: int = 0) -> dict:
+    """Loss and accuracy over every sample of ``split`` exactly once, summed across ranks."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    with torch.no_grad(), dev.autocast(device, precision):
+        for x, y in eval_batches(split, batch_size, device, world, rank):
+            out = model(prep(x))
+            sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
+            sums[1] += (out.argmax(1) == y).sum()
+            sums[2] += len(y)
+    dist.all_reduce_sum(sums)
+    model.train(was_training)
+    loss_sum, correct, count = sums.tolist()
+    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume: str | None = None,
+          model_meta: dict | None = None, info: dist.DistInfo | None = None) -> dict:
+    """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
+    wall_start = time.perf_counter()
+    info = info or dist.from_env()
+    run_dir = Path(run_dir)
+    t, c = cfg.train, cfg.checkpoint
+
+    device = dev.resolve_device(t.device, info.local_rank)
+    threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
+    precision = dev.resolve_precision(t.precision, device)
+    channels_last = dev.resolve_channels_last(t.channels_last, precision, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log_files = [run_dir / "logs" / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])
+    log = Logger(info.rank, tuple(log_files))
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
+    try:
+        dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
+        return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, device, precision,
+                      channels_last, threads, log, metrics, wall_start)
+    finally:
+        metrics.close()
+        log.close()
+
+
+def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precision, channels_last,
+           threads, log: Logger, metrics: MetricsWriter, wall_start):
+    t, c = cfg.train, cfg.checkpoint
+    torch.manual_seed(t.seed)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if cfg.dist.sync_bn and info.distributed:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    raw_model = model
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optim, params)
+
+    loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed)
+    per_epoch = loader.plan.steps_per_epoch // t.grad_accum
+    if per_epoch == 0:
+        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {loader.plan.steps_per_epoch} batches in an epoch.")
+    total_steps = math.ceil(t.epochs * per_epoch)
+    if t.max_steps:
+        total_steps = min(total_steps, t.max_steps) if t.epochs else t.max_steps
+    peak = cfg.schedule.lr_max or cfg.optim.lr
+    sched_cfg = cfg.schedule
+    if cfg.dist.scale_lr == "linear" and info.world_size > 1:
+        peak *= info.world_size
+        if sched_cfg.name != "onecycle" and sched_cfg.warmup_epochs < cfg.dist.scale_warmup_epochs:
+            import dataclasses
+            sched_cfg = dataclasses.replace(sched_cfg, warmup_epochs=cfg.dist.scale_warmup_epochs)
+    schedule = Schedule(sched_cfg, peak, total_steps, per_epoch)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+
+    manager = CheckpointManagerFor(run_dir, c) if info.is_main else None
+    step = 0
+    state = _resume_state(resume, run_dir, log)
+    if state is not None:
+        path, state = state
+        ckpt.check_model(state, raw_model, path)
+        raw_model.load_state_dict(state["model"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
+        scaler.load_state_dict(state.get("scaler", {})) if state.get("scaler") else None
+        _set_rng_state(state["rng"], device)
+        step = int(state["step"])
+        if manager is not None:
+            manager.best_metric = state.get("best_metric")
+        log.info(f"resumed from {path} at step {step} (epoch {step // per_epoch})")
+
+    if info.distributed:
+        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        model = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    fwd_model = torch.compile(model) if t.compile else model
+
+    prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
+    if info.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        write_json(run_dir / "env.json", env_record(device, t.seed, info.world_size, {
+            "precision": precision, "channels_last": channels_last, "threads": threads,
+            "model": model_meta, "restart_count": info.restart_count}))
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
+             f"{threads} threads, world size {info.world_size}")
+    log.info(f"model {model_meta.get('name', type(raw_model).__name__)} ({n_params:,} parameters), "
+             f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
+             f"{len(data.test) if data.test else 0:,} test")
+    log.info(f"global batch {cfg.data.batch_size * info.world_size * t.grad_accum} "
+             f"({cfg.data.batch_size} per device x {info.world_size} x {t.grad_accum} accumulation), "
+             f"{per_epoch} steps/epoch, {total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
+    metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
+
+    def snapshot(step: int) -> dict:
+        return {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "rng": _rng_state(device), "step": step, "epoch": step // per_epoch,
+            "best_metric": manager.best_metric if manager else None, "config": cfg.to_dict(),
+            "meta": {**model_meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
+                     "image_size": list(data.image_size), "in_channels": data.in_channels,
+                     "num_classes": data.num_classes, "data": data.name},
+        }
+
+    def save(step: int, metric: float | None = None) -> Path | None:
+        if manager is None:
+            return None
+        return manager.save(snapshot(step), step, metric)
+
+    def val_eval(step: int, epoch: float) -> dict | None:
+        if data.val is None:
+            return None
+        r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, info.world_size, info.rank)
+        log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
+        metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"])
+        return r
+
+    use_bar = info.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
+    plain = info.is_main and not use_bar and t.progress != "none"
+    bar = None
+    if use_bar:
+        from tqdm import tqdm
+        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
+
+    stats = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count since last log
+    train_seconds, images = 0.0, 0
+    last_val = None
+    model.train()
+    with _StopFlag() as stop:
+        while step < total_steps:
+            epoch, pos = divmod(step, per_epoch)
+            batches = loader.epoch(epoch, pos * t.grad_accum)
+            window_start, window_images = time.perf_counter(), 0
+            for _ in range(pos, per_epoch):
+                for micro in range(t.grad_accum):
+                    x, y, n_global = next(batches)
+                    x = prep(x, step * t.grad_accum + micro)
+                    sync = model.no_sync() if info.distributed and micro < t.grad_accum - 1 else contextlib.nullcontext()
+                    with sync:
+                        with dev.autocast(device, precision):
+                            out = fwd_model(x)
+                            loss_sum = F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=cfg.optim.label_smoothing)
+                        # sum / global batch, times world size because DDP averages over ranks:
+                        # the gradient is the exact mean over all samples, also for a short last batch
+                        scaler.scale(loss_sum * (info.world_size / (n_global * t.grad_accum))).backward()
+                    stats[0] += loss_sum.detach()
+                    stats[1] += (out.detach().argmax(1) == y).sum()
+                    stats[2] += len(y)
+                    window_images += len(y)
+                lr = schedule(step)
+                set_lr(optimizer, lr)
+                if t.grad_clip:
+                    scaler.unscale_(optimizer)
+                    nn.utils.clip_grad_norm_(params, t.grad_clip)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                if bar is not None:
+                    bar.update(1)
+                if step % t.log_every == 0 or step == total_steps:
+                    # sync point: the only host read-back of the training loss
+                    dist.all_reduce_sum(stats)
+                    loss_sum_v, correct, count = stats.tolist()
+                    stats.zero_()
+                    now = time.perf_counter()
+                    elapsed = now - window_start
+                    train_seconds += elapsed
+                    images += window_images * info.world_size
+                    ips = window_images * info.world_size / max(elapsed, 1e-9)
+                    window_start, window_images = now, 0
+                    loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
+                    if not math.isfinite(loss_v):
+                        raise BrickyardError(f"training loss became {loss_v} at step {step}; lower optim.lr or enable train.grad_clip "
+                                             f"(the newest checkpoint holds the last good weights).")
+                    line = (f"epoch {epoch} step {step - epoch * per_epoch}/{per_epoch} loss {loss_v:.4f} "
+                            f"acc {acc_v:.4f} lr {lr:.4f} {ips:,.0f} img/s")
+                    if bar is not None:
+                        bar.set_postfix_str(f"loss {loss_v:.4f} acc {acc_v:.4f}")
+                    log.info(line, console=plain)
+                    metrics.write(kind="train", step=step, epoch=round(step / per_epoch, 4), loss=loss_v,
+                                  accuracy=acc_v, lr=lr, images_per_second=round(ips, 1))
+                if c.every_steps and step % c.every_steps == 0:
+                    save(step)
+                if stop.signum is not None or step >= total_steps:
+                    break
+            train_seconds += time.perf_counter() - window_start
+            images += window_images * info.world_size
+            if stop.signum is not None:
+                path = save(step)
+                if bar is not None:
+                    bar.close()
+                name = signal.Signals(stop.signum).name
+                where = f" to {path}" if path else ""
+                raise Interrupted(f"{name} at step {step}: saved a checkpoint{where}; resume with "
+                                  f"`brickyard train {cfg.preset} --run-dir {run_dir} --resume auto`.")
+            epoch_done = step % per_epoch == 0 or step >= total_steps
+            if epoch_done:
+                ep = round(step / per_epoch, 4)
+                evaluate_now = t.eval_every and (math.ceil(ep) % t.eval_every == 0) or step >= total_steps
+                last_val = val_eval(step, ep) if evaluate_now else last_val
+                if c.every_epoch or step >= total_steps:
+                    save(step, last_val["accuracy"] if last_val and evaluate_now else None)
+    if bar is not None:
+        bar.close()
+
+    summary = {"epochs": round(step / per_epoch, 4), "steps": step, "val_accuracy": None, "val_loss": None,
+               "test_accuracy": None, "test_loss": None}
+    if last_val is not None:
+        summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
+    if data.test is not None:
+        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, info.world_size, info.rank)
+        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"])
+        metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"])
+        log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
+    summary.update(
+        train_seconds=round(train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
+        images_per_second=round(images / max(train_seconds, 1e-9), 1), device=str(device),
+        world_size=info.world_size, precision=precision, channels_last=channels_last,
+        model=model_meta.get("name"), data=data.name, run_dir=str(run_dir),
+    )
+    if info.is_main:
+        write_json(run_dir / "summary.json", summary)
+    metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
+    dist.barrier()
+    return summary
+
+
+def CheckpointManagerFor(run_dir: Path, c) -> ckpt.CheckpointManager:
+    return ckpt.CheckpointManager(run_dir / "checkpoints", c.keep_last, c.keep_best)
+
+
+def _resume_state(resume: str | None, run_dir: Path, log: Logger):
+    if not resume:
+        return None
+    if resume == "auto":
+        found = ckpt.newest_valid(run_dir / "checkpoints", log.warning)
+        if found is None:
+            log.info(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
+        return found
+    path = Path(resume)
+    return path, ckpt.load(path)

@@ -1,0 +1,49 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "datasets"
+if "BRICKYARD_DATA" not in os.environ and SHARED.is_dir():
+    os.environ["BRICKYARD_DATA"] = str(SHARED)
+
+# tiny synthetic runs used across the suite: fast, deterministic, no files needed
+SYNTH = [
+    "data.name=synthetic", "data.synthetic.num_train=512", "data.synthetic.num_val=128",
+    "data.synthetic.num_test=128", "data.batch_size=32", "model.name=mlp", "train.device=cpu",
+    "train.progress=none", "train.threads=1", "optim.lr=0.05",
+]
+
+
+def have_mnist() -> bool:
+    from brickyard.data import idx
+    return idx.locate("mnist", None) is not None
+
+
+needs_mnist = pytest.mark.skipif(not have_mnist(), reason="MNIST files not found (set BRICKYARD_DATA)")
+
+
+def run_cli(*args, env=None, timeout=600, cwd=None):
+    """Run `python -m brickyard ARGS` as a real process; returns CompletedProcess."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "brickyard", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd)
+
+
+def sets(*items):
+    out = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty, private download cache, so tests never touch ~/.cache."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("BRICKYARD_CACHE", str(d))
+    return d

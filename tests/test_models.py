@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from brickyard import models
+from brickyard.errors import ConfigError
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_every_registered_model_trains_one_step(name):
+    big = name in ("resnet50", "vgg16", "resnet18_imagenet")
+    size = (32, 32) if big or name == "resnet18" else (28, 28)
+    channels = 3 if size == (32, 32) else 1
+    torch.manual_seed(0)
+    model = models.create(name, num_classes=7, in_channels=channels, image_size=size)
+    x, y = torch.randn(4, channels, *size), torch.randint(0, 7, (4,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = model(x)
+    assert out.shape == (4, 7)
+    torch.nn.functional.cross_entropy(out, y).backward()
+    opt.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_course_network_layout():
+    m = models.create("mnist_cnn")
+    convs = [l for l in m if isinstance(l, torch.nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [(1, 20, (5, 5), (2, 2)), (20, 20, (5, 5), (2, 2))]
+    assert m[-1].in_features == 980 and m[-1].out_features == 10
+    assert models.create("lenet")[-3].in_features == 800
+
+
+def test_torchvision_key_names():
+    keys = set(models.create("resnet50", 1000, 3, (224, 224)).state_dict())
+    assert {"conv1.weight", "bn1.running_mean", "layer4.2.conv3.weight", "fc.bias", "layer1.0.downsample.0.weight"} <= keys
+    assert {"features.0.weight", "classifier.6.bias"} <= set(models.create("vgg16", 1000, 3, (224, 224)).state_dict())
+
+
+def test_unknown_model():
+    with pytest.raises(ConfigError, match="model.name: 'resnet7' is not one of"):
+        models.create("resnet7")
