@@ -47,7 +47,9 @@ def build_model(cfg: Config, data: DataBundle) -> nn.Module:
 def train_config(cfg: Config, run_dir=None, resume=None) -> dict:
     """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
     from brickyard.trainer import train
+    import torch
     data = build_data(cfg.data)
+    torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True}

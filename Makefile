@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make demo` trains the default MNIST model, `make test` runs the suite.
+# Each creates .venv, installs torch==2.13.0 first when that build is available (the CPU build on
+# the dev machines; elsewhere whatever `torch>=2.4` resolves to), then brickyard itself.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SHARED := $(abspath ../shared/datasets)
+export BRICKYARD_DATA ?= $(if $(wildcard $(SHARED)/mnist),$(SHARED),)
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q "torch>=2.4"
+	$(PY) -m pip install -q -e '.[test,viz]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/brickyard train
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q --durations=15
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from conftest import SYNTH, needs_mnist, run_cli, sets
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", *sets("optim.name=adamm")], "error: optim.name: 'adamm' is not one of sgd, momentum, nesterov, adagrad, adadelta, adam, adamw"),
+    (["train", "nope"], "error: 'nope' is neither a YAML file nor a preset"),
+    (["train", *sets("data.batch_size=-3")], "error: data.batch_size: -3 is below the minimum 1"),
+    (["train", "--device", "cuda:7", *sets(*SYNTH)], "error: device 'cuda:7' asked for, but CUDA is not available"),
+    (["train", "--device", "gpu", *sets(*SYNTH)], "error: device 'gpu' is not one of auto, cpu, cuda, cuda:N"),
+    (["train", *sets(*SYNTH, "train.precision=fp16")], "error: train.precision: 'fp16' needs a CUDA device"),
+    (["train", *sets(*SYNTH, "model.name=resnet7")], "error: model.name: 'resnet7' is not one of"),
+    (["eval", "does-not-exist.pt"], "error: checkpoint does-not-exist.pt does not exist."),
+    (["data", "info", "cifar"], "error: data set 'cifar' is not one of mnist, fashion-mnist."),
+])
+def test_bad_input_is_one_line_and_non_zero(args, expected, tmp_path):
+    r = run_cli(*args, "--run-dir", str(tmp_path / "run")) if args[0] == "train" else run_cli(*args)
+    assert r.returncode == 2
+    assert r.stderr.startswith(expected), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_nothing_written_is_lost_by_a_bad_resume(tmp_path):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)).returncode == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run), "--resume", str(bad))
+    assert r.returncode == 2 and "cannot be read" in r.stderr
+    for p, content in before.items():
+        assert p.read_bytes() == content, p
+
+
+def test_help_everywhere():
+    for args in (["--help"], ["train", "--help"], ["eval", "--help"], ["data", "--help"]):
+        r = run_cli(*args)
+        assert r.returncode == 0 and "usage: brickyard" in r.stdout
+    assert "examples:" in run_cli("train", "--help").stdout
+
+
+def test_models_and_presets_lists():
+    m = run_cli("models")
+    assert m.returncode == 0 and "mnist_cnn" in m.stdout and "20,350 params" in m.stdout
+    p = run_cli("presets")
+    assert p.returncode == 0 and all(n in p.stdout for n in ("mnist ", "mnist-course", "fashion-resnet18", "mnist-lenet"))
+
+
+def test_train_then_eval_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=2"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert f"run dir: {run}" in r.stdout and "test accuracy:" in r.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    e = run_cli("eval", str(run / "checkpoints" / "step-0000032.pt"))
+    assert e.returncode == 0, e.stderr
+    result = json.loads(e.stdout)
+    assert result["accuracy"] == pytest.approx(summary["test_accuracy"]) and result["count"] == 128
+    v = json.loads(run_cli("eval", str(run / "checkpoints" / "best.pt"), "--split", "val").stdout)
+    assert v["split"] == "val" and v["count"] == 128
+
+
+@needs_mnist
+def test_data_info_finds_mnist():
+    r = run_cli("data", "info", "mnist")
+    assert r.returncode == 0 and "checksums verified" in r.stdout
+
+
+@needs_mnist
+def test_default_preset_reaches_99_percent_on_mnist(tmp_path):
+    """The README's promise: `brickyard train` with no arguments reaches >= 99.0% test accuracy."""
+    run = tmp_path / "mnist"
+    r = run_cli("train", "--run-dir", str(run), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.990, summary
+    assert f"test accuracy: {summary['test_accuracy']:.4f}" in r.stdout
