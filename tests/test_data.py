@@ -42,8 +42,8 @@ def test_memory_and_stream_loaders_give_the_same_batches():
     mem = list(InMemoryLoader(split, plan, torch.device("cpu")).epoch(1, start=2))
     stream = list(StreamLoader(split, plan, torch.device("cpu"), num_workers=1).epoch(1, start=2))
     assert len(mem) == len(stream) == plan.steps_per_epoch - 2
-    for (a, ya, na), (b, yb, nb) in zip(mem, stream):
-        assert torch.equal(a, b) and torch.equal(ya, yb) and na == nb
+    for (a, ya, na, oa), (b, yb, nb, ob) in zip(mem, stream):
+        assert torch.equal(a, b) and torch.equal(ya, yb) and na == nb and oa == ob
 
 
 def test_eval_batches_count_every_sample_once():
@@ -57,6 +57,9 @@ def test_shift_and_flip_are_seeded_per_step():
     x = torch.randint(0, 255, (16, 1, 10, 10), dtype=torch.uint8)
     a, b, c = prep(x, step=3), prep(x, step=3), prep(x, step=4)
     assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == (16, 1, 10, 10)
+    # two ranks' halves, augmented separately, equal the whole batch augmented at once
+    halves = torch.cat([prep(x[:8], step=3, n_global=16, offset=0), prep(x[8:], step=3, n_global=16, offset=8)])
+    assert torch.equal(halves, a)
     g = torch.Generator().manual_seed(0)
     y = random_shift(torch.ones(2, 1, 5, 5), 0, g)
     assert torch.equal(y, torch.ones(2, 1, 5, 5))

@@ -44,7 +44,7 @@ def build_model(cfg: Config, data: DataBundle) -> nn.Module:
                          cfg.model.in_channels or data.in_channels, data.image_size)
 
 
-def train_config(cfg: Config, run_dir=None, resume=None) -> dict:
+def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
     from brickyard.trainer import train
     import torch
@@ -53,7 +53,7 @@ def train_config(cfg: Config, run_dir=None, resume=None) -> dict:
     model = build_model(cfg, data)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True}
-    return train(cfg, model, data, run_dir, resume, meta)
+    return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
 
 
 def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from brickyard import dist
 from brickyard.errors import BrickyardError
 
 EXAMPLES = {
@@ -78,7 +79,9 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[args.command](args)
     except BrickyardError as e:
-        print(f"error: {e}", file=sys.stderr)
+        info = dist.from_env()
+        if info.is_main:  # other ranks hit the same error; theirs is in their workerlog
+            print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -95,10 +98,9 @@ def cmd_train(args) -> int:
         from brickyard import launch
         return launch.launch(args, cfg)
     run_dir = args.run_dir or str(_default_run_dir(cfg))
-    if args.log_dir:
-        raise BrickyardError("--log-dir applies to multi-process runs (--devices); single runs log to RUN_DIR/logs.")
-    summary = api.train_config(cfg, run_dir, args.resume)
-    _print_result(summary)
+    summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
+    if dist.from_env().is_main:
+        _print_result(summary)
     return 0
 
 

@@ -42,6 +42,10 @@ class Logger:
     def warning(self, msg: str) -> None:
         self._emit("warning", msg, True)
 
+    def error(self, msg: str) -> None:
+        """Into the log files only: the CLI prints the error once, on rank 0."""
+        self._emit("error", msg, False)
+
     def _emit(self, level: str, msg: str, console: bool) -> None:
         line = self._line(level, msg)
         for s in self.streams:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -96,7 +97,7 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume: str | None = None,
-          model_meta: dict | None = None, info: dist.DistInfo | None = None) -> dict:
+          model_meta: dict | None = None, info: dist.DistInfo | None = None, log_dir: Path | None = None) -> dict:
     """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
     wall_start = time.perf_counter()
     info = info or dist.from_env()
@@ -112,16 +113,21 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
 
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    log_files = [run_dir / "logs" / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])
+    log_dir = Path(log_dir) if log_dir else run_dir / "logs"
+    log_files = [log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])
     log = Logger(info.rank, tuple(log_files))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
     try:
         dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
         return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, device, precision,
                       channels_last, threads, log, metrics, wall_start)
+    except BrickyardError as e:
+        log.error(str(e))
+        raise
     finally:
         metrics.close()
         log.close()
+        dist.shutdown()
 
 
 def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precision, channels_last,
@@ -189,7 +195,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             "model": model_meta, "restart_count": info.restart_count}))
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
-             f"{threads} threads, world size {info.world_size}")
+             f"{threads} threads, world size {info.world_size}, pid {os.getpid()}")
     log.info(f"model {model_meta.get('name', type(raw_model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
@@ -239,8 +245,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             window_start, window_images = time.perf_counter(), 0
             for _ in range(pos, per_epoch):
                 for micro in range(t.grad_accum):
-                    x, y, n_global = next(batches)
-                    x = prep(x, step * t.grad_accum + micro)
+                    x, y, n_global, offset = next(batches)
+                    x = prep(x, step * t.grad_accum + micro, n_global, offset)
                     sync = model.no_sync() if info.distributed and micro < t.grad_accum - 1 else contextlib.nullcontext()
                     with sync:
                         with dev.autocast(device, precision):

@@ -5,9 +5,11 @@
 - ``StreamLoader``: a ``torch.utils.data.DataLoader`` with workers, prefetching and pinned memory,
   fed by the same plan through a batch sampler, for data that does not fit.
 
-Both yield ``(x, y, n_global)`` where ``x`` is still raw (uint8 or float) and ``n_global`` is the
-number of samples in this step's *global* batch (all ranks together); the trainer scales the
-loss by it so gradients are exact means also for a short last batch. Because both paths follow
+Both yield ``(x, y, n_global, offset)`` where ``x`` is still raw (uint8 or float), ``n_global`` is
+the number of samples in this step's *global* batch (all ranks together) and ``offset`` is where
+this rank's part starts in it. The trainer scales the loss by ``n_global`` so gradients are exact
+means also for a short last batch, and augmentation draws randomness for the global batch and
+uses this rank's slice, so N ranks see exactly what one process would. Because both paths follow
 one plan, they produce the same batches, and a run resumed at step k of an epoch sees exactly
 the batches it would have seen.
 """
@@ -45,6 +47,10 @@ class BatchPlan:
     def n_global(self, step: int) -> int:
         return min(self.global_batch, self.n - step * self.global_batch)
 
+    def offset(self, n_global: int) -> int:
+        """Start of this rank's part of a global batch of ``n_global`` (``tensor_split`` sizes)."""
+        return self.rank * (n_global // self.world) + min(self.rank, n_global % self.world)
+
     def batches(self, epoch: int, start: int = 0):
         """Yield ``(local_indices, n_global)`` for steps ``start..steps_per_epoch-1``."""
         perm = self.permutation(epoch)
@@ -66,7 +72,7 @@ class InMemoryLoader:
         for step in range(start, p.steps_per_epoch):
             chunk = perm[step * p.global_batch:(step + 1) * p.global_batch]
             idx = chunk.tensor_split(p.world)[p.rank]
-            yield self.images[idx], self.labels[idx], len(chunk)
+            yield self.images[idx], self.labels[idx], len(chunk), p.offset(len(chunk))
 
     def close(self):
         pass
@@ -100,7 +106,8 @@ class StreamLoader:
         self.sampler.epoch, self.sampler.start = epoch, start
         non_blocking = self.device.type == "cuda"
         for step, (x, y) in enumerate(self.loader, start):
-            yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking), self.plan.n_global(step)
+            n = self.plan.n_global(step)
+            yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking), n, self.plan.offset(n)
 
     def close(self):
         del self.loader

@@ -1,0 +1,110 @@
+"""Multi-process behaviour with real processes: torchrun + gloo on localhost."""
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from brickyard import api, checkpoint
+from brickyard.config import load_config
+from conftest import SYNTH, run_cli, sets
+
+PARITY = SYNTH + ["train.deterministic=true", "train.max_steps=20", "train.epochs=10", "optim.name=momentum",
+                  "schedule.name=cosine", "data.augment=shift", "train.log_every=5"]
+
+
+def _final(run):
+    return checkpoint.load(checkpoint.step_checkpoints(run / "checkpoints")[-1])["model"]
+
+
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
+    api.train_config(load_config("mnist", PARITY + ["data.batch_size=64"]), tmp_path / "one")
+    r = run_cli("train", "mnist", *sets(*PARITY, "data.batch_size=32"), "--devices", "cpu:2", "--run-dir", str(tmp_path / "two"))
+    assert r.returncode == 0, r.stderr
+    a, b = _final(tmp_path / "one"), _final(tmp_path / "two")
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-5, diff
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=1e-6)  # every test sample counted once
+    logs = sorted(p.name for p in (tmp_path / "two" / "logs").iterdir())
+    assert logs == ["workerlog.0", "workerlog.1"]
+    assert all(l.split()[1:3] == ["[rank", "1]"] for l in (tmp_path / "two" / "logs" / "workerlog.1").read_text().splitlines())
+    assert r.stdout.count("test accuracy:") == 1 and "[rank 1]" not in r.stdout  # the console shows rank 0 only
+    assert "global batch 64 (32 per device x 2" in r.stdout
+
+
+def test_uneven_evaluation_counts_each_sample_once(tmp_path):
+    r = run_cli("train", "mnist", *sets(*SYNTH, "train.epochs=1", "data.synthetic.num_val=101", "data.synthetic.num_test=77"),
+                "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    one = api.train_config(load_config("mnist", SYNTH + ["train.epochs=1", "data.synthetic.num_val=101", "data.synthetic.num_test=77"]),
+                           tmp_path / "one")
+    test = [x for x in rows if x["kind"] == "test"][0]
+    # 77 test images: accuracy is a multiple of 1/77 (no padded duplicates)
+    assert round(test["accuracy"] * 77, 6) == round(test["accuracy"] * 77) and one["test_accuracy"] is not None
+
+
+def test_kill_a_worker_and_the_run_completes(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "mnist", *sets(*SYNTH, "train.epochs=12", "data.synthetic.num_train=2048", "train.log_every=1",
+                                     "checkpoint.every_steps=10", "train.threads=1", "model.name=lenet"),
+            "--devices", "cpu:2", "--max-restarts", "1", "--run-dir", str(run)]
+    import subprocess, sys
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log1 = run / "logs" / "workerlog.1"
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 25):
+        time.sleep(0.1)
+    pid = int(re.search(r"pid (\d+)", log1.read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 12 * 2048 // 64 and summary["world_size"] == 2
+    assert summary["test_accuracy"] > 0.9
+    assert "resumed from" in log1.read_text()
+    starts = [json.loads(l) for l in metrics.read_text().splitlines() if '"start"' in l]
+    assert len(starts) == 2 and starts[1]["step"] >= 20
+
+
+@pytest.mark.parametrize("devices, message", [
+    ("cuda", "error: --devices cuda: no CUDA GPU is visible"),
+    ("0,1", "error: --devices 0,1: GPU ids given, but CUDA is not available"),
+    ("cpu:0", "error: --devices 'cpu:0': expected cpu:N with N >= 1"),
+    ("tpu", "error: --devices 'tpu' is not one of cpu, cpu:N, cuda, all"),
+])
+def test_bad_device_specs(devices, message, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without GPUs")
+    r = run_cli("train", *sets(*SYNTH), "--devices", devices, "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.startswith(message), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_port_in_use_is_one_sentence(tmp_path):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        r = run_cli("train", *sets(*SYNTH), "--devices", "cpu:2", "--master", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "r"))
+    finally:
+        s.close()
+    assert r.returncode == 2 and f"port {port} is already in use" in r.stderr
+
+
+def test_env_contract():
+    from brickyard.dist import from_env
+    info = from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size, info.is_main) == (3, 1, 4, 2, False)
+    slurm = from_env({"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "h"})
+    assert (slurm.rank, slurm.world_size) == (1, 2)
+    assert from_env({}).world_size == 1
