@@ -108,3 +108,58 @@ def test_env_contract():
     slurm = from_env({"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "h"})
     assert (slurm.rank, slurm.world_size) == (1, 2)
     assert from_env({}).world_size == 1
+
+
+def test_parameter_server_sync_equals_collective_mode(tmp_path):
+    base = PARITY + ["data.batch_size=32"]
+    r1 = run_cli("train", "mnist", *sets(*base), "--devices", "cpu:2", "--run-dir", str(tmp_path / "coll"))
+    r2 = run_cli("train", "mnist", *sets(*base, "dist.mode=ps", "dist.ps.servers=1"), "--devices", "cpu:3",
+                 "--run-dir", str(tmp_path / "ps"))
+    assert r1.returncode == 0 and r2.returncode == 0, r2.stderr
+    a, b = _final(tmp_path / "coll"), _final(tmp_path / "ps")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    summary = json.loads((tmp_path / "ps" / "summary.json").read_text())
+    assert (summary["world_size"], summary["trainers"], summary["mode"]) == (3, 2, "ps")
+    assert "parameter server 0: holds" in (tmp_path / "ps" / "logs" / "workerlog.2").read_text()
+
+
+def test_parameter_server_async_with_two_servers_learns_within_the_staleness_bound(tmp_path):
+    r = run_cli("train", "mnist", *sets(*SYNTH, "train.epochs=3", "dist.mode=ps", "dist.ps.servers=2", "dist.ps.sync=false",
+                                        "dist.ps.max_staleness=1"),
+                "--devices", "cpu:4", "--run-dir", str(tmp_path / "ps"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "ps" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.9 and summary["trainers"] == 2
+    for server_rank in (2, 3):
+        text = (tmp_path / "ps" / "logs" / f"workerlog.{server_rank}").read_text()
+        m = re.search(r"(\d+) updates, largest clock gap (\d+) \(bound 1\)", text)
+        assert m and int(m.group(1)) == 2 * summary["steps"] and int(m.group(2)) <= 1
+
+
+def test_parameter_server_needs_a_trainer(tmp_path):
+    r = run_cli("train", *sets(*SYNTH, "dist.mode=ps", "dist.ps.servers=2"), "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2 and "dist.ps.servers: 2 server(s) leave no trainer among 2 processes" in r.stderr
+
+
+def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
+    import subprocess, sys
+    run = tmp_path / "run"
+    args = ["train", "mnist", *sets(*SYNTH, "train.epochs=50", "train.log_every=1", "dist.timeout_s=4"),
+            "--devices", "cpu:2", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log1 = run / "logs" / "workerlog.1"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and (run / "metrics.jsonl").is_file()
+                                          and '"train"' in (run / "metrics.jsonl").read_text()):
+        time.sleep(0.1)
+    pid = int(re.search(r"pid (\d+)", log1.read_text()).group(1))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out, err = proc.communicate(timeout=150)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert "did not complete within dist.timeout_s=4s; rank 1 stopped answering" in err, err[-2000:]

@@ -62,10 +62,10 @@ def shutdown() -> None:
         tdist.destroy_process_group()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over all ranks in place (no-op without a process group)."""
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(t)
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``t`` over the ranks of ``group`` (default: all) in place; a no-op without a process group."""
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        tdist.all_reduce(t, group=group)
     return t
 
 
@@ -80,3 +80,52 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     tdist.broadcast_object_list(box, src)
     return box[0]
+
+
+class Heartbeat:
+    """A daemon thread that writes this rank's wall time to the job's store every ``interval`` s.
+
+    When a collective times out, ``silent_ranks()`` names the ranks whose heartbeat stopped (a
+    process that is frozen, swapped out or on a lost machine), so the error can say which rank
+    stopped answering. Without a store (one process) it does nothing.
+    """
+
+    def __init__(self, info: DistInfo, interval: float = 1.0):
+        import threading
+        self.info, self.interval = info, interval
+        self.store = None
+        if info.distributed and tdist.is_initialized():
+            try:
+                self.store = tdist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError):
+                self.store = None
+        self._stop = threading.Event()
+        if self.store is not None:
+            threading.Thread(target=self._beat, daemon=True, name="brickyard-heartbeat").start()
+
+    def _beat(self) -> None:
+        import time
+        while not self._stop.is_set():
+            try:
+                self.store.set(f"brickyard/heartbeat/{self.info.rank}", repr(time.time()))
+            except Exception:  # noqa: BLE001  the store went away: the job is ending
+                return
+            self._stop.wait(self.interval)
+
+    def silent_ranks(self) -> list[int]:
+        import time
+        if self.store is None:
+            return []
+        now, silent = time.time(), []
+        for r in range(self.info.world_size):
+            key = f"brickyard/heartbeat/{r}"
+            try:
+                last = float(self.store.get(key)) if self.store.check([key]) else 0.0
+            except Exception:  # noqa: BLE001
+                continue
+            if now - last > 3 * self.interval + 1:
+                silent.append(r)
+        return silent
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -123,6 +123,9 @@ def launch(args, cfg) -> int:
     nproc, device, visible = parse_devices(args.devices)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
+    if cfg.dist.mode == "ps":
+        from brickyard.ps import check_layout
+        check_layout(cfg, nproc * args.nnodes)
     if nproc * args.nnodes == 1 and not args.max_restarts:
         from brickyard import api
         from brickyard.cli import _print_result
@@ -145,8 +148,8 @@ def launch(args, cfg) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
-        if code == 130:
-            return 130  # interrupted: rank 0 already said where the checkpoint is
+        if code in (2, 130):
+            return code  # a user error or an interruption: rank 0 has already said it in one line
         raise BrickyardError(f"worker rank {rank} failed with exit code {code}; see {log_dir}/workerlog.{rank} "
                              f"(restarts used: {args.max_restarts}).") from None
     except Exception as e:  # rendezvous failures and timeouts come as several torch exception types

@@ -27,11 +27,11 @@ from torch import nn
 
 from brickyard import checkpoint as ckpt
 from brickyard import device as dev
-from brickyard import dist
+from brickyard import dist, ps
 from brickyard.config import Config, save_config
 from brickyard.data import DataBundle, Split
 from brickyard.data.augment import DevicePrep
-from brickyard.data.loaders import eval_batches, make_train_loader
+from brickyard.data.loaders import BatchPlan, eval_batches, make_train_loader
 from brickyard.errors import BrickyardError, CheckpointError
 from brickyard.optim import Schedule, build_optimizer, set_lr
 from brickyard.runlog import Logger, MetricsWriter, env_record, write_json
@@ -66,7 +66,7 @@ class _StopFlag:
 
 
 def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.device, precision: str,
-             batch_size: int, world: int = 1, rank: int = 0) -> dict:
+             batch_size: int, world: int = 1, rank: int = 0, group=None) -> dict:
     """Loss and accuracy over every sample of ``split`` exactly once, summed across ranks."""
     was_training = model.training
     model.eval()
@@ -77,10 +77,15 @@ def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.dev
             sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
             sums[1] += (out.argmax(1) == y).sum()
             sums[2] += len(y)
-    dist.all_reduce_sum(sums)
+    dist.all_reduce_sum(sums, group)
     model.train(was_training)
     loss_sum, correct, count = sums.tolist()
     return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+
+
+def _is_comm_failure(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -117,14 +122,27 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     log_files = [log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])
     log = Logger(info.rank, tuple(log_files))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
+    heartbeat = None
     try:
         dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
+        heartbeat = dist.Heartbeat(info)
         return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, device, precision,
                       channels_last, threads, log, metrics, wall_start)
     except BrickyardError as e:
         log.error(str(e))
         raise
+    except RuntimeError as e:
+        if not info.distributed or not _is_comm_failure(e):
+            raise
+        silent = heartbeat.silent_ranks() if heartbeat else []
+        who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
+        msg = (f"rank {info.rank}: a collective did not complete within dist.timeout_s={cfg.dist.timeout_s}s; {who} "
+               f"(see the workerlogs in {log_dir}).")
+        log.error(msg)
+        raise BrickyardError(msg) from None
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         metrics.close()
         log.close()
         dist.shutdown()
@@ -147,21 +165,34 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, params)
 
-    loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed)
-    per_epoch = loader.plan.steps_per_epoch // t.grad_accum
+    # in parameter-server mode only the trainers read data; the servers hold the parameters
+    layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
+    group, data_world = None, info.world_size
+    if layout is not None:
+        if resume:
+            raise BrickyardError("--resume is not supported with dist.mode: ps yet; use the collective mode to resume runs.")
+        group = torch.distributed.new_group(list(range(layout.trainers))) if info.distributed else None
+        data_world = layout.trainers
+    plan = BatchPlan(len(data.train), cfg.data.batch_size, data_world, min(info.rank, data_world - 1), t.seed)
+    per_epoch = plan.steps_per_epoch // t.grad_accum
     if per_epoch == 0:
-        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {loader.plan.steps_per_epoch} batches in an epoch.")
+        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {plan.steps_per_epoch} batches in an epoch.")
     total_steps = math.ceil(t.epochs * per_epoch)
     if t.max_steps:
         total_steps = min(total_steps, t.max_steps) if t.epochs else t.max_steps
     peak = cfg.schedule.lr_max or cfg.optim.lr
     sched_cfg = cfg.schedule
-    if cfg.dist.scale_lr == "linear" and info.world_size > 1:
-        peak *= info.world_size
+    if cfg.dist.scale_lr == "linear" and data_world > 1:
+        peak *= data_world
         if sched_cfg.name != "onecycle" and sched_cfg.warmup_epochs < cfg.dist.scale_warmup_epochs:
             import dataclasses
             sched_cfg = dataclasses.replace(sched_cfg, warmup_epochs=cfg.dist.scale_warmup_epochs)
     schedule = Schedule(sched_cfg, peak, total_steps, per_epoch)
+    if layout is not None and layout.is_server(info.rank):
+        ps.serve([p.detach() for p in params], layout, info.rank, cfg, total_steps, schedule, log)
+        dist.barrier()
+        return {}
+    loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
     manager = CheckpointManagerFor(run_dir, c) if info.is_main else None
@@ -182,7 +213,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             manager.best_metric = state.get("best_metric")
         log.info(f"resumed from {path} at step {step} (epoch {step // per_epoch})")
 
-    if info.distributed:
+    client = ps.Client(params, layout, cfg.dist.ps.sync) if layout is not None else None
+    if info.distributed and client is None:
         ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     fwd_model = torch.compile(model) if t.compile else model
@@ -199,8 +231,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     log.info(f"model {model_meta.get('name', type(raw_model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
-    log.info(f"global batch {cfg.data.batch_size * info.world_size * t.grad_accum} "
-             f"({cfg.data.batch_size} per device x {info.world_size} x {t.grad_accum} accumulation), "
+    log.info(f"global batch {cfg.data.batch_size * data_world * t.grad_accum} "
+             f"({cfg.data.batch_size} per device x {data_world} x {t.grad_accum} accumulation), "
              f"{per_epoch} steps/epoch, {total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
     metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
 
@@ -222,7 +254,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     def val_eval(step: int, epoch: float) -> dict | None:
         if data.val is None:
             return None
-        r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, info.world_size, info.rank)
+        r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data_world, info.rank, group)
         log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
         metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"])
         return r
@@ -247,14 +279,14 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 for micro in range(t.grad_accum):
                     x, y, n_global, offset = next(batches)
                     x = prep(x, step * t.grad_accum + micro, n_global, offset)
-                    sync = model.no_sync() if info.distributed and micro < t.grad_accum - 1 else contextlib.nullcontext()
+                    sync = model.no_sync() if model is not raw_model and micro < t.grad_accum - 1 else contextlib.nullcontext()
                     with sync:
                         with dev.autocast(device, precision):
                             out = fwd_model(x)
                             loss_sum = F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=cfg.optim.label_smoothing)
                         # sum / global batch, times world size because DDP averages over ranks:
                         # the gradient is the exact mean over all samples, also for a short last batch
-                        scaler.scale(loss_sum * (info.world_size / (n_global * t.grad_accum))).backward()
+                        scaler.scale(loss_sum * (data_world / (n_global * t.grad_accum))).backward()
                     stats[0] += loss_sum.detach()
                     stats[1] += (out.detach().argmax(1) == y).sum()
                     stats[2] += len(y)
@@ -264,22 +296,25 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 if t.grad_clip:
                     scaler.unscale_(optimizer)
                     nn.utils.clip_grad_norm_(params, t.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
+                if client is not None:
+                    client.step(lr, step)
+                else:
+                    scaler.step(optimizer)
+                    scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 if bar is not None:
                     bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
                     # sync point: the only host read-back of the training loss
-                    dist.all_reduce_sum(stats)
+                    dist.all_reduce_sum(stats, group)
                     loss_sum_v, correct, count = stats.tolist()
                     stats.zero_()
                     now = time.perf_counter()
                     elapsed = now - window_start
                     train_seconds += elapsed
-                    images += window_images * info.world_size
-                    ips = window_images * info.world_size / max(elapsed, 1e-9)
+                    images += window_images * data_world
+                    ips = window_images * data_world / max(elapsed, 1e-9)
                     window_start, window_images = now, 0
                     loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
                     if not math.isfinite(loss_v):
@@ -297,7 +332,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 if stop.signum is not None or step >= total_steps:
                     break
             train_seconds += time.perf_counter() - window_start
-            images += window_images * info.world_size
+            images += window_images * data_world
             if stop.signum is not None:
                 path = save(step)
                 if bar is not None:
@@ -315,20 +350,22 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     save(step, last_val["accuracy"] if last_val and evaluate_now else None)
     if bar is not None:
         bar.close()
+    if client is not None:
+        client.finish()
 
     summary = {"epochs": round(step / per_epoch, 4), "steps": step, "val_accuracy": None, "val_loss": None,
                "test_accuracy": None, "test_loss": None}
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
     if data.test is not None:
-        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, info.world_size, info.rank)
+        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, data_world, info.rank, group)
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"])
         metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"])
         log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
     summary.update(
         train_seconds=round(train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(images / max(train_seconds, 1e-9), 1), device=str(device),
-        world_size=info.world_size, precision=precision, channels_last=channels_last,
+        world_size=info.world_size, mode=cfg.dist.mode, trainers=data_world, precision=precision, channels_last=channels_last,
         model=model_meta.get("name"), data=data.name, run_dir=str(run_dir),
     )
     if info.is_main:

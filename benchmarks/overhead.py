@@ -1,0 +1,99 @@
+"""Target 1 of the performance issue: brickyard's training throughput vs a minimal hand-written loop.
+
+Same model, batch, precision and in-memory data; the two are run interleaved (hand, brickyard,
+hand, brickyard, ...) so drifts of the machine hit both, and the ratio of the median throughputs
+is printed. Each brickyard round is a real `trainer.train` call on synthetic MNIST-shaped data;
+its `images_per_second` is the training loop alone (no start-up, no evaluation).
+
+    python benchmarks/overhead.py [--model mnist_cnn] [--batch 128] [--steps 200] [--rounds 3] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from brickyard import device as dev
+from brickyard import models
+from brickyard.config import load_config
+from brickyard.data import build_data
+from brickyard.trainer import train
+
+
+def hand_loop(model_name, images, labels, batch, steps, device, precision, channels_last, lr=0.05):
+    torch.manual_seed(0)
+    model = models.create(model_name).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    images, labels = images.to(device), labels.to(device)
+    mean, std = 0.5, 0.25
+    n = len(labels)
+    perm = torch.randperm(n, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(steps):
+        i = (step * batch) % (n - batch + 1)
+        idx = perm[i:i + batch]
+        x = (images[idx].float() / 255 - mean) / std
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with dev.autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    loss.item()  # sync
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def brickyard_loop(model_name, batch, steps, device_name, n_train):
+    cfg = load_config("mnist", [
+        "data.name=synthetic", f"data.synthetic.num_train={n_train}", "data.synthetic.num_val=0",
+        "data.synthetic.num_test=0", f"data.batch_size={batch}", f"model.name={model_name}",
+        f"train.device={device_name}", "train.progress=none", f"train.max_steps={steps}", "train.epochs=1000",
+        "train.log_every=100000", "checkpoint.every_epoch=false", "checkpoint.keep_best=false", "schedule.name=constant",
+    ])
+    data = build_data(cfg.data)
+    torch.manual_seed(0)
+    model = models.create(model_name)
+    with tempfile.TemporaryDirectory() as d:
+        return train(cfg, model, data, d, model_meta={"name": model_name})["images_per_second"], cfg
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mnist_cnn")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    device = dev.resolve_device(a.device)
+    if device.type == "cpu":
+        dev.set_threads(0, 1)
+    precision = dev.resolve_precision("auto", device)
+    channels_last = dev.resolve_channels_last("auto", precision, device)
+    n_train = max(a.batch * a.steps, 4096)
+    data = build_data(load_config("mnist", ["data.name=synthetic", f"data.synthetic.num_train={n_train}"]).data)
+    hand, ours = [], []
+    for r in range(a.rounds):
+        hand.append(hand_loop(a.model, data.train.images, data.train.labels, a.batch, a.steps, device, precision, channels_last))
+        ours.append(brickyard_loop(a.model, a.batch, a.steps, str(device), n_train)[0])
+        print(f"round {r}: hand {hand[-1]:,.0f} img/s, brickyard {ours[-1]:,.0f} img/s", flush=True)
+    h, o = statistics.median(hand), statistics.median(ours)
+    print(f"hardware: {dev.describe(device)}; torch {torch.__version__}")
+    print(f"settings: model {a.model}, batch {a.batch}, {a.steps} steps x {a.rounds} rounds, precision {precision}, "
+          f"channels_last {channels_last}, in-memory data")
+    print(f"hand-written loop: median {h:,.0f} img/s (min {min(hand):,.0f}, max {max(hand):,.0f})")
+    print(f"brickyard:         median {o:,.0f} img/s (min {min(ours):,.0f}, max {max(ours):,.0f})")
+    print(f"ratio brickyard / hand-written: {o / h:.3f} (target >= 0.97)")
+
+
+if __name__ == "__main__":
+    main()
