@@ -27,7 +27,8 @@ def test_course_network_layout():
     convs = [l for l in m if isinstance(l, torch.nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [(1, 20, (5, 5), (2, 2)), (20, 20, (5, 5), (2, 2))]
     assert m[-1].in_features == 980 and m[-1].out_features == 10
-    assert models.create("lenet")[-3].in_features == 800
+    assert models.create("lenet").fc1.in_features == 800
+    assert [n for n, _ in m.named_children()] == ["conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc"]
 
 
 def test_torchvision_key_names():

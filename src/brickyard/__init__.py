@@ -1,13 +1,16 @@
 """brickyard: train image classifiers on one CPU, one GPU, the GPUs you pick, or many machines."""
 __version__ = "0.1.0"
 
-__all__ = ["fit", "load_config", "Config", "__version__"]
+__all__ = ["fit", "predict", "load_config", "Config", "__version__"]
 
 
 def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
     if name == "fit":
         from brickyard.api import fit
         return fit
+    if name == "predict":
+        from brickyard.prediction import predict
+        return predict
     if name in ("load_config", "Config"):
         from brickyard import config
         return getattr(config, name)

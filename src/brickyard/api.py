@@ -85,5 +85,5 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict
     precision = dev.resolve_precision(cfg.train.precision, d)
     model.to(d)
     prep = DevicePrep(data.mean, data.std, device=d)
-    r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size)
+    r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes)
     return {"checkpoint": str(path), "split": split, "step": state["step"], **r}

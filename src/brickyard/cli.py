@@ -65,6 +65,29 @@ def _parser() -> argparse.ArgumentParser:
         a.add_argument("name", help="mnist or fashion-mnist")
         a.add_argument("--root", help="folder holding the data set's files")
 
+    pl = sub.add_parser("plot", help="PNG curves (several runs overlay), confusion matrix, misclassified images",
+                        epilog="examples:\n  brickyard plot runs/a\n  brickyard plot runs/a runs/b --out compare/\n", formatter_class=raw)
+    pl.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("--out", help="folder for the PNG files (default: the first run directory)")
+
+    ins = sub.add_parser("inspect", help="one batch forward and backward: a row of statistics per layer",
+                         epilog="examples:\n  brickyard inspect mnist\n  brickyard inspect runs/a/checkpoints/best.pt --batch 64 --json\n",
+                         formatter_class=raw)
+    ins.add_argument("source", metavar="CONFIG|PRESET|CHECKPOINT")
+    ins.add_argument("--batch", type=int, default=32)
+    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    pr = sub.add_parser("predict", help="classes, probabilities and chosen layers' outputs for images or an .npy array",
+                        epilog="examples:\n  brickyard predict runs/a/checkpoints/best.pt digit.png\n"
+                               "  brickyard predict best.pt x.npy --outputs 0,3 --format npz --out out.npz\n", formatter_class=raw)
+    pr.add_argument("checkpoint")
+    pr.add_argument("inputs", nargs="+", metavar="INPUT")
+    pr.add_argument("--outputs", default="", help="comma-separated layer names, e.g. 0,3 or layer1.0.conv1")
+    pr.add_argument("--format", choices=("json", "npz"), default="json")
+    pr.add_argument("--out", help="write to this file instead of printing")
+    pr.add_argument("--device", default="cpu")
+
     sub.add_parser("models", help="list the model registry with parameter counts")
     sub.add_parser("presets", help="list the shipped presets")
     return p
@@ -165,4 +188,55 @@ def cmd_presets(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+def cmd_plot(args) -> int:
+    from brickyard.plots import plot_runs
+    for path in plot_runs(args.runs, args.out):
+        print(path)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import torch
+    from brickyard import api
+    from brickyard.data.augment import DevicePrep
+    from brickyard.data import build_data
+    from brickyard.inspection import format_table, layer_table
+    if args.batch < 1:
+        raise BrickyardError(f"--batch {args.batch}: must be at least 1.")
+    if args.source.endswith((".pt", ".pth")):
+        model, _, cfg = api.load_checkpoint_model(args.source)
+    else:
+        cfg = api.resolve_config(args.source, args.overrides)
+        model = None
+    data = build_data(cfg.data)
+    if model is None:
+        torch.manual_seed(cfg.train.seed)
+        model = api.build_model(cfg, data)
+    split = data.train
+    x, y = split.images[:args.batch], split.labels[:args.batch]
+    x = DevicePrep(data.mean, data.std)(x)
+    model.train()
+    rows = layer_table(model, x, y)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from pathlib import Path
+    from brickyard.api import load_checkpoint_model
+    from brickyard.prediction import load_inputs, predict, write
+    model, state, _ = load_checkpoint_model(args.checkpoint)
+    meta = state["meta"]
+    outputs = [o for o in args.outputs.split(",") if o]
+    x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
+    result = predict(args.checkpoint, x, outputs, args.device)
+    text = write(result, names, outputs, args.format, Path(args.out) if args.out else None)
+    if text:
+        print(text)
+    return 0
+
+
+COMMANDS = {"plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

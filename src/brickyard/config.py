@@ -21,9 +21,9 @@ from brickyard.errors import ConfigError
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-def _opt(default, *, choices=None, min=None, max=None, doc=""):
-    """A config field with validation metadata (``choices``, inclusive ``min``/``max``)."""
-    meta = {"choices": choices, "min": min, "max": max, "doc": doc}
+def _opt(default, *, choices=None, min=None, max=None, doc="", item=None):
+    """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item`` class)."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -65,6 +65,13 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParamGroupRule:
+    match: str = _opt("*", doc="fnmatch pattern on parameter names, e.g. fc.* or *.bias")
+    weight_decay: Union[float, None] = _opt(None, doc="decay for the matched parameters (None = optim.weight_decay)")
+    lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier")
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     name: str = _opt("nesterov", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
     lr: float = _opt(0.05, min=0.0, doc="base (peak) learning rate")
@@ -73,6 +80,9 @@ class OptimConfig:
     betas: tuple = _opt((0.9, 0.999))
     eps: float = _opt(1e-8, min=0.0)
     label_smoothing: float = _opt(0.0, min=0.0, max=1.0)
+    param_groups: tuple = _opt((), item=ParamGroupRule, doc="rules [{match, weight_decay, lr_mult}], first match wins")
+    decay_bias_norm: bool = _opt(True, doc="false: biases and norm-layer weights get no weight decay")
+    l1: float = _opt(0.0, min=0.0, doc="L1 penalty on decayed parameters, added to the loss")
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,12 @@ class TrainConfig:
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
     threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+    tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
+    plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
+    histograms_every: int = _opt(0, min=0, doc="steps between weight/gradient histograms (0 = off)")
+    watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
+    watch_every: int = _opt(200, min=1)
+    nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
 
 
 @dataclass(frozen=True)
@@ -257,6 +273,11 @@ def _make(cls, raw, prefix: str):
         key = f"{prefix}{name}"
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _make(tp, raw[name] if raw[name] is not None else {}, key + ".")
+        elif f.metadata.get("item") is not None:
+            items = raw[name] if raw[name] is not None else []
+            if not isinstance(items, (list, tuple)):
+                raise ConfigError(f"{key}: expected a list of mappings, got {items!r}.")
+            kwargs[name] = tuple(_make(f.metadata["item"], it, f"{key}[{i}].") for i, it in enumerate(items))
         else:
             kwargs[name] = _check(key, raw[name], tp, f.metadata)
     return cls(**kwargs)

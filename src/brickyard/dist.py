@@ -53,8 +53,14 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
     kwargs = {}
     if device.type == "cuda" and backend == "nccl":
         kwargs["device_id"] = device
-    tdist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
+        # group can read the dead workers' addresses and fail to connect
+        base = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                              is_master=False, timeout=timeout)
+        kwargs["store"] = tdist.PrefixStore(f"brickyard/attempt_{info.restart_count}", base)
+    tdist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
 
 
 def shutdown() -> None:

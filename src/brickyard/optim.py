@@ -17,6 +17,7 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
+    groups = [{k: v for k, v in g.items() if k not in ("names", "label")} for g in groups]
     for g in groups:
         g.setdefault("lr_mult", 1.0)
         g["lr"] = cfg.lr * g["lr_mult"]
@@ -71,3 +72,51 @@ def _cos(a: float, b: float, t: float) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_mult", 1.0)
+
+
+_NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
+
+
+def param_groups(model: torch.nn.Module, cfg) -> list[dict]:
+    """Optimiser groups from ``optim.param_groups`` rules (first match wins), ``decay_bias_norm``
+    and the trainable parameters of ``model``. Each group carries ``names`` for printing."""
+    import fnmatch
+    norm_params = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+    rules = list(cfg.param_groups)
+    used = [False] * len(rules)
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        wd, mult, label = cfg.weight_decay, 1.0, "default"
+        if not cfg.decay_bias_norm and (name.endswith("bias") or id(p) in norm_params):
+            wd, label = 0.0, "no-decay (bias/norm)"
+        for i, rule in enumerate(rules):
+            if fnmatch.fnmatchcase(name, rule.match):
+                used[i] = True
+                wd = rule.weight_decay if rule.weight_decay is not None else wd
+                mult, label = rule.lr_mult, f"match {rule.match!r}"
+                break
+        g = groups.setdefault((label, wd, mult), {"params": [], "names": [], "weight_decay": wd, "lr_mult": mult, "label": label})
+        g["params"].append(p)
+        g["names"].append(name)
+    for rule, hit in zip(rules, used):
+        if not hit:
+            names = [n for n, _ in model.named_parameters()]
+            raise ConfigError(f"optim.param_groups: pattern {rule.match!r} matches no parameter; names look like {', '.join(names[:4])}, ...")
+    return list(groups.values())
+
+
+def describe_groups(groups: list[dict], base_lr: float) -> list[str]:
+    out = []
+    for g in groups:
+        n = sum(p.numel() for p in g["params"])
+        shown = ", ".join(g["names"][:3]) + (", ..." if len(g["names"]) > 3 else "")
+        out.append(f"param group {g['label']}: {len(g['names'])} tensors ({n:,} values), lr {base_lr * g['lr_mult']:g} "
+                   f"(x{g['lr_mult']:g}), weight decay {g['weight_decay']:g}: {shown}")
+    return out
+
+
+def l1_penalty(groups: list[dict]) -> torch.Tensor:
+    """Sum of |w| over the parameters that are weight-decayed."""
+    return sum(p.abs().sum() for g in groups if g["weight_decay"] > 0 for p in g["params"])

@@ -33,7 +33,10 @@ from brickyard.data import DataBundle, Split
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, eval_batches, make_train_loader
 from brickyard.errors import BrickyardError, CheckpointError
-from brickyard.optim import Schedule, build_optimizer, set_lr
+from brickyard.inspection import Watcher, first_nonfinite
+from brickyard.metrics import EvalAccumulator, fit_hint
+from brickyard.optim import Schedule, build_optimizer, describe_groups, l1_penalty, param_groups, set_lr
+from brickyard.tboard import TBWriter
 from brickyard.runlog import Logger, MetricsWriter, env_record, write_json
 
 
@@ -66,21 +69,26 @@ class _StopFlag:
 
 
 def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.device, precision: str,
-             batch_size: int, world: int = 1, rank: int = 0, group=None) -> dict:
-    """Loss and accuracy over every sample of ``split`` exactly once, summed across ranks."""
+             batch_size: int, num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0) -> dict:
+    """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
+    exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
+    rank's misclassified raw images with true and predicted labels (host syncs; test time only)."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    acc = EvalAccumulator(num_classes, device)
+    errors, kept = [], 0
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank):
-            out = model(prep(x))
-            sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
-            sums[1] += (out.argmax(1) == y).sum()
-            sums[2] += len(y)
-    dist.all_reduce_sum(sums, group)
+            pred = acc.update(model(prep(x)), y)
+            if kept < keep_errors:
+                wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
+                errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
+                kept += len(wrong)
     model.train(was_training)
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+    result = acc.result(group)
+    if keep_errors and errors:
+        result["errors"] = tuple(torch.cat(parts) for parts in zip(*errors))
+    return result
 
 
 def _is_comm_failure(e: RuntimeError) -> bool:
@@ -136,8 +144,9 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
             raise
         silent = heartbeat.silent_ranks() if heartbeat else []
         who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         msg = (f"rank {info.rank}: a collective did not complete within dist.timeout_s={cfg.dist.timeout_s}s; {who} "
-               f"(see the workerlogs in {log_dir}).")
+               f"(see the workerlogs in {log_dir}; {reason}).")
         log.error(msg)
         raise BrickyardError(msg) from None
     finally:
@@ -162,8 +171,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw_model = model
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optim, params)
+    groups = param_groups(model, cfg.optim)
+    params = [p for g in groups for p in g["params"]]
+    optimizer = build_optimizer(cfg.optim, groups)
 
     # in parameter-server mode only the trainers read data; the servers hold the parameters
     layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
@@ -234,7 +244,11 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     log.info(f"global batch {cfg.data.batch_size * data_world * t.grad_accum} "
              f"({cfg.data.batch_size} per device x {data_world} x {t.grad_accum} accumulation), "
              f"{per_epoch} steps/epoch, {total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
+    for line in describe_groups(groups, peak):
+        log.info(line)
     metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
+    tb = TBWriter(run_dir if info.is_main else None, t.tensorboard, log.warning)
+    watcher = Watcher(raw_model, t.watch) if t.watch else None
 
     def snapshot(step: int) -> dict:
         return {
@@ -254,10 +268,32 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     def val_eval(step: int, epoch: float) -> dict | None:
         if data.val is None:
             return None
-        r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data_world, info.rank, group)
-        log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
-        metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"])
+        r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
+                     data_world, info.rank, group)
+        dist.all_reduce_sum(epoch_stats, group)
+        train_acc = (epoch_stats[1] / epoch_stats[2].clamp(min=1)).item()
+        epoch_stats.zero_()
+        hint = fit_hint(train_acc, r["accuracy"])
+        log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}; "
+                 f"train acc {train_acc:.4f}; {hint}")
+        metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                      train_accuracy=train_acc, hint=hint)
+        tb.scalars(step, "val", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
         return r
+
+    # On a CPU reading the loss is not a device sync, so every step is checked before the update and
+    # the layer is named on good weights; on GPUs the check rides on the log and save steps.
+    check_each_step = t.nan_guard and device.type == "cpu"
+
+    def raise_nonfinite(step: int, x, y):
+        where = first_nonfinite(raw_model, x, y)
+        raise BrickyardError(f"training loss became non-finite at step {step}; first non-finite: {where}; "
+                             f"the newest checkpoint holds the last good weights (lower optim.lr or set train.grad_clip).")
+
+    def guard(step: int, x, y) -> None:
+        """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
+        if t.nan_guard and not torch.isfinite(stats[0]).item():
+            raise_nonfinite(step, x, y)
 
     use_bar = info.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
     plain = info.is_main and not use_bar and t.progress != "none"
@@ -267,6 +303,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
     stats = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count since last log
+    epoch_stats = torch.zeros(3, device=device, dtype=torch.float64)  # the same since the last evaluation
     train_seconds, images = 0.0, 0
     last_val = None
     model.train()
@@ -276,6 +313,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             batches = loader.epoch(epoch, pos * t.grad_accum)
             window_start, window_images = time.perf_counter(), 0
             for _ in range(pos, per_epoch):
+                watching = watcher is not None and step % t.watch_every == 0
+                if watching:
+                    watcher.attach()
                 for micro in range(t.grad_accum):
                     x, y, n_global, offset = next(batches)
                     x = prep(x, step * t.grad_accum + micro, n_global, offset)
@@ -286,11 +326,24 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                             loss_sum = F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=cfg.optim.label_smoothing)
                         # sum / global batch, times world size because DDP averages over ranks:
                         # the gradient is the exact mean over all samples, also for a short last batch
-                        scaler.scale(loss_sum * (data_world / (n_global * t.grad_accum))).backward()
-                    stats[0] += loss_sum.detach()
-                    stats[1] += (out.detach().argmax(1) == y).sum()
-                    stats[2] += len(y)
+                        if check_each_step and not torch.isfinite(loss_sum):
+                            raise_nonfinite(step, x, y)
+                        loss = loss_sum * (data_world / (n_global * t.grad_accum))
+                        if cfg.optim.l1:
+                            loss = loss + cfg.optim.l1 / t.grad_accum * l1_penalty(groups)
+                        scaler.scale(loss).backward()
+                    batch_stats = torch.stack([loss_sum.detach().double(), (out.detach().argmax(1) == y).sum().double(),
+                                               torch.tensor(float(len(y)), dtype=torch.float64, device=device)])
+                    stats += batch_stats
+                    epoch_stats += batch_stats
                     window_images += len(y)
+                if watching:
+                    found = watcher.collect()
+                    metrics.write(kind="watch", step=step, layers=found)
+                    for name, row in found.items():
+                        tb.scalars(step, f"watch/{name}", row)
+                if t.histograms_every and step % t.histograms_every == 0:
+                    tb.histograms(step, raw_model)
                 lr = schedule(step)
                 set_lr(optimizer, lr)
                 if t.grad_clip:
@@ -308,6 +361,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 if step % t.log_every == 0 or step == total_steps:
                     # sync point: the only host read-back of the training loss
                     dist.all_reduce_sum(stats, group)
+                    guard(step, x, y)
                     loss_sum_v, correct, count = stats.tolist()
                     stats.zero_()
                     now = time.perf_counter()
@@ -317,9 +371,6 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     ips = window_images * data_world / max(elapsed, 1e-9)
                     window_start, window_images = now, 0
                     loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
-                    if not math.isfinite(loss_v):
-                        raise BrickyardError(f"training loss became {loss_v} at step {step}; lower optim.lr or enable train.grad_clip "
-                                             f"(the newest checkpoint holds the last good weights).")
                     line = (f"epoch {epoch} step {step - epoch * per_epoch}/{per_epoch} loss {loss_v:.4f} "
                             f"acc {acc_v:.4f} lr {lr:.4f} {ips:,.0f} img/s")
                     if bar is not None:
@@ -327,13 +378,16 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     log.info(line, console=plain)
                     metrics.write(kind="train", step=step, epoch=round(step / per_epoch, 4), loss=loss_v,
                                   accuracy=acc_v, lr=lr, images_per_second=round(ips, 1))
+                    tb.scalars(step, "train", {"loss": loss_v, "accuracy": acc_v, "lr": lr, "images_per_second": ips})
                 if c.every_steps and step % c.every_steps == 0:
+                    guard(step, x, y)
                     save(step)
                 if stop.signum is not None or step >= total_steps:
                     break
             train_seconds += time.perf_counter() - window_start
             images += window_images * data_world
             if stop.signum is not None:
+                guard(step, x, y)
                 path = save(step)
                 if bar is not None:
                     bar.close()
@@ -347,6 +401,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 evaluate_now = t.eval_every and (math.ceil(ep) % t.eval_every == 0) or step >= total_steps
                 last_val = val_eval(step, ep) if evaluate_now else last_val
                 if c.every_epoch or step >= total_steps:
+                    guard(step, x, y)
                     save(step, last_val["accuracy"] if last_val and evaluate_now else None)
     if bar is not None:
         bar.close()
@@ -358,18 +413,32 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
     if data.test is not None:
-        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, data_world, info.rank, group)
-        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"])
-        metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"])
-        log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f}")
+        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
+                     data_world, info.rank, group, keep_errors=36 if info.is_main and t.plots else 0)
+        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
+        metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                      per_class_accuracy=r["per_class_accuracy"], confusion=r["confusion"])
+        tb.scalars(step, "test", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
+        log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}")
+        if info.is_main and "errors" in r:
+            wrong_images, true, pred = r["errors"]
+            torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
+                        "mean": list(data.mean), "std": list(data.std)}, run_dir / "test_errors.pt")
     summary.update(
         train_seconds=round(train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(images / max(train_seconds, 1e-9), 1), device=str(device),
         world_size=info.world_size, mode=cfg.dist.mode, trainers=data_world, precision=precision, channels_last=channels_last,
         model=model_meta.get("name"), data=data.name, run_dir=str(run_dir),
     )
+    tb.close()
     if info.is_main:
         write_json(run_dir / "summary.json", summary)
+        if t.plots:
+            from brickyard.plots import plot_runs
+            try:
+                plot_runs([run_dir])
+            except BrickyardError as e:
+                log.warning(f"no plots: {e}")
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary

@@ -1,6 +1,8 @@
 """Small networks for 28 x 28 digits (any input size works; flatten sizes are computed)."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from torch import nn
 
 from brickyard.models import register
@@ -13,40 +15,45 @@ def _pooled(size: int, *ops) -> int:
     return size
 
 
+def _seq(**layers) -> nn.Sequential:
+    """A Sequential with named layers, so inspection, watching and freezing can say conv1, fc."""
+    return nn.Sequential(OrderedDict(layers))
+
+
 @register("mnist_cnn", "course network: conv5x5x20-pool-conv5x5x20-pool-linear (980 -> 10 on 28x28)")
 def mnist_cnn(num_classes=10, in_channels=1, image_size=(28, 28)):
     h, w = (_pooled(s, ("conv", 5, 2), ("pool", 2), ("conv", 5, 2), ("pool", 2)) for s in image_size)
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(20, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(20 * h * w, num_classes),
+    return _seq(
+        conv1=nn.Conv2d(in_channels, 20, 5, padding=2), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(20, 20, 5, padding=2), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        flatten=nn.Flatten(), fc=nn.Linear(20 * h * w, num_classes),
     )
 
 
 @register("lenet", "LeNet variant: conv3x3x20-avgpool-conv5x5x50-avgpool-linear 800-128-classes")
 def lenet(num_classes=10, in_channels=1, image_size=(28, 28)):
     h, w = (_pooled(s, ("conv", 3, 0), ("pool", 2), ("conv", 5, 0), ("pool", 2)) for s in image_size)
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Flatten(), nn.Linear(50 * h * w, 128), nn.ReLU(), nn.Linear(128, num_classes),
+    return _seq(
+        conv1=nn.Conv2d(in_channels, 20, 3), relu1=nn.ReLU(), pool1=nn.AvgPool2d(2),
+        conv2=nn.Conv2d(20, 50, 5), relu2=nn.ReLU(), pool2=nn.AvgPool2d(2),
+        flatten=nn.Flatten(), fc1=nn.Linear(50 * h * w, 128), relu3=nn.ReLU(), fc=nn.Linear(128, num_classes),
     )
 
 
 @register("mlp", "two hidden layers of 256 units")
 def mlp(num_classes=10, in_channels=1, image_size=(28, 28)):
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(in_channels * image_size[0] * image_size[1], 256), nn.ReLU(),
-        nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, num_classes),
+    return _seq(
+        flatten=nn.Flatten(), fc1=nn.Linear(in_channels * image_size[0] * image_size[1], 256), relu1=nn.ReLU(),
+        fc2=nn.Linear(256, 256), relu2=nn.ReLU(), fc=nn.Linear(256, num_classes),
     )
 
 
 @register("convnet", "conv32-pool-conv64-pool-conv64-dense64-classes (the Keras tutorial net)")
 def convnet(num_classes=10, in_channels=1, image_size=(28, 28)):
     h, w = (_pooled(s, ("conv", 3, 0), ("pool", 2), ("conv", 3, 0), ("pool", 2), ("conv", 3, 0)) for s in image_size)
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3), nn.ReLU(),
-        nn.Flatten(), nn.Linear(64 * h * w, 64), nn.ReLU(), nn.Linear(64, num_classes),
+    return _seq(
+        conv1=nn.Conv2d(in_channels, 32, 3), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(32, 64, 3), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        conv3=nn.Conv2d(64, 64, 3), relu3=nn.ReLU(),
+        flatten=nn.Flatten(), fc1=nn.Linear(64 * h * w, 64), relu4=nn.ReLU(), fc=nn.Linear(64, num_classes),
     )

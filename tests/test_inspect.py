@@ -1,0 +1,174 @@
+"""Metrics, TensorBoard, plots, inspection, watching, the NaN guard, parameter groups, predict."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from brickyard import api, checkpoint
+from brickyard.config import load_config
+from brickyard.errors import BrickyardError, ConfigError
+from brickyard.metrics import EvalAccumulator, fit_hint
+from brickyard.optim import param_groups
+from conftest import SYNTH, run_cli, sets
+
+CNN = SYNTH + ["model.name=mnist_cnn"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "cnn"
+    api.train_config(load_config("mnist", CNN + ["train.epochs=2", "train.watch=[conv*, fc]", "train.watch_every=5",
+                                                 "train.histograms_every=10"]), run)
+    return run
+
+
+def test_accumulator_matches_a_direct_computation():
+    torch.manual_seed(0)
+    logits, y = torch.randn(50, 7), torch.randint(0, 7, (50,))
+    acc = EvalAccumulator(7, torch.device("cpu"))
+    acc.update(logits[:20], y[:20])
+    acc.update(logits[20:], y[20:])
+    r = acc.result()
+    pred = logits.argmax(1)
+    assert r["accuracy"] == pytest.approx((pred == y).float().mean().item())
+    assert r["top5"] == pytest.approx((logits.topk(5, 1).indices == y[:, None]).any(1).float().mean().item())
+    conf = np.array(r["confusion"])
+    assert conf.sum() == 50 and conf[3, 5] == int(((y == 3) & (pred == 5)).sum())
+    assert r["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
+    assert "over-fitting" in fit_hint(0.99, 0.80) and "under-fitting" in fit_hint(0.5, 0.49)
+
+
+def test_run_writes_events_plots_and_rich_metrics(trained):
+    assert list(trained.glob("events.out.tfevents.*"))
+    for png in ("curves.png", "confusion.png", "misclassified.png"):
+        assert (trained / png).stat().st_size > 1000, png
+    rows = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if r["kind"] == "val"]
+    assert all({"top5", "train_accuracy", "hint"} <= set(r) for r in val)
+    test = [r for r in rows if r["kind"] == "test"][0]
+    assert np.array(test["confusion"]).sum() == 128 and len(test["per_class_accuracy"]) == 10
+    watch = [r for r in rows if r["kind"] == "watch"]
+    assert watch and {"conv1", "conv2", "fc"} <= set(watch[0]["layers"])
+    assert {"act_mean", "act_std", "grad_std"} <= set(watch[0]["layers"]["conv1"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ev = EventAccumulator(str(trained), size_guidance={"histograms": 0})
+    ev.Reload()
+    assert {"train/loss", "train/lr", "val/accuracy", "test/accuracy"} <= set(ev.Tags()["scalars"])
+    assert any(t.startswith("grads/") for t in ev.Tags()["histograms"])
+
+
+def test_plot_overlays_several_runs(trained, tmp_path):
+    r = run_cli("plot", str(trained), str(trained), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "compare-curves.png").stat().st_size > 1000
+    bad = run_cli("plot", str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and "is not a run directory" in bad.stderr
+
+
+def test_inspect_prints_a_row_per_layer(trained):
+    r = run_cli("inspect", "mnist", "--batch", "8", *sets("data.name=synthetic"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 + 8 and lines[2].split()[:3] == ["conv1", "Conv2d", "8x20x28x28"]
+    j = json.loads(run_cli("inspect", str(trained / "checkpoints" / "best.pt"), "--json").stdout)
+    assert [r["name"] for r in j] == ["conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc"]
+    assert j[0]["grad_norm"] > 0 and j[0]["params"] == 520 and j[-1]["output_shape"] == [32, 10]
+
+
+class Boom(nn.Module):
+    """Finite for the first ``after`` training calls, then infinite."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return x * float("inf") if self.calls > self.after else x
+
+
+def test_nan_guard_names_the_layer_and_keeps_the_last_good_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 1, 4, 4), torch.randint(0, 2, (256,))
+    model = nn.Sequential()
+    model.add_module("flatten", nn.Flatten())
+    model.add_module("fc1", nn.Linear(16, 8))
+    model.add_module("boom", Boom(after=10))
+    model.add_module("fc", nn.Linear(8, 2))
+    cfg = {"train": {"epochs": 3, "device": "cpu", "progress": "none"}, "data": {"batch_size": 32},
+           "checkpoint": {"every_steps": 4, "keep_last": 5}}
+    with pytest.raises(BrickyardError) as e:
+        api.fit(model, (x, y), val_data=(x, y), config=cfg, run_dir=tmp_path / "r")
+    assert "non-finite at step 10; first non-finite: output of layer 'boom' (Boom)" in str(e.value)
+    files = checkpoint.step_checkpoints(tmp_path / "r" / "checkpoints")
+    assert files[-1].name == "step-0000008.pt"
+    assert all(torch.isfinite(v).all() for v in checkpoint.load(files[-1])["model"].values())
+
+
+def test_param_groups_rules():
+    from brickyard.models import create
+    m = create("mnist_cnn")
+    cfg = load_config("mnist", ["optim.param_groups=[{match: 'fc.*', weight_decay: 0.001, lr_mult: 10}]",
+                                "optim.decay_bias_norm=false"]).optim
+    groups = {g["label"]: g for g in param_groups(m, cfg)}
+    assert groups["match 'fc.*'"]["names"] == ["fc.weight", "fc.bias"] and groups["match 'fc.*'"]["lr_mult"] == 10
+    assert groups["no-decay (bias/norm)"]["names"] == ["conv1.bias", "conv2.bias"]
+    assert groups["default"]["weight_decay"] == cfg.weight_decay
+    bn = param_groups(create("resnet18", 10, 3, (32, 32)), load_config("mnist", ["optim.decay_bias_norm=false"]).optim)
+    assert any("bn1.weight" in g["names"] for g in bn if g["weight_decay"] == 0)
+    with pytest.raises(ConfigError, match="pattern 'head.*' matches no parameter"):
+        param_groups(m, load_config("mnist", ["optim.param_groups=[{match: 'head.*'}]"]).optim)
+
+
+def test_lr_mult_and_l1_act_in_training(tmp_path):
+    base = CNN + ["train.epochs=1", "optim.name=sgd", "schedule.name=constant", "optim.weight_decay=0.0001"]
+    plain = api.train_config(load_config("mnist", base), tmp_path / "a")
+    l1 = api.train_config(load_config("mnist", base + ["optim.l1=0.001"]), tmp_path / "b")
+    w = lambda r: checkpoint.load(checkpoint.step_checkpoints(r / "checkpoints")[-1])["model"]  # noqa: E731
+    assert w(tmp_path / "b")["conv2.weight"].abs().sum() < w(tmp_path / "a")["conv2.weight"].abs().sum()
+    frozen = api.train_config(load_config("mnist", base + ["optim.param_groups=[{match: 'conv*', lr_mult: 0, weight_decay: 0}]"]),
+                              tmp_path / "c")
+    start = torch.manual_seed(0) and None
+    from brickyard.models import create
+    torch.manual_seed(0)
+    init = create("mnist_cnn").state_dict()
+    assert torch.equal(w(tmp_path / "c")["conv1.weight"], init["conv1.weight"])
+    assert not torch.equal(w(tmp_path / "c")["fc.weight"], init["fc.weight"])
+    assert plain["steps"] == l1["steps"] == frozen["steps"] and start is None
+
+
+def test_predict_png_with_two_layer_outputs(trained, tmp_path):
+    from PIL import Image
+    img = tmp_path / "digit.png"
+    Image.fromarray((np.random.rand(40, 30) * 255).astype(np.uint8)).save(img)
+    ck = str(trained / "checkpoints" / "best.pt")
+    r = run_cli("predict", ck, str(img), "--outputs", "conv1,pool2")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["outputs"]["conv1"]["shape"] == [1, 20, 28, 28] and doc["outputs"]["pool2"]["shape"] == [1, 20, 7, 7]
+    assert abs(sum(doc["probabilities"][0]) - 1) < 1e-4 and 0 <= doc["predicted"][0] < 10
+    np.save(tmp_path / "x.npy", (np.random.rand(3, 28, 28) * 255).astype(np.uint8))
+    out = tmp_path / "o.npz"
+    r = run_cli("predict", ck, str(img), str(tmp_path / "x.npy"), "--outputs", "fc,conv2", "--format", "npz", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    d = np.load(out)
+    assert d["fc"].shape == (4, 10) and d["conv2"].shape == (4, 20, 14, 14) and d["probabilities"].shape == (4, 10)
+    bad = run_cli("predict", ck, str(img), "--outputs", "conv9")
+    assert bad.returncode == 2 and "layer 'conv9' does not exist; valid names: conv1, relu1" in bad.stderr
+    notimg = tmp_path / "x.png"
+    notimg.write_text("hello")
+    bad = run_cli("predict", ck, str(notimg))
+    assert bad.returncode == 2 and "is not a readable image" in bad.stderr
+
+
+def test_predict_from_python(trained):
+    import brickyard
+    x = torch.randint(0, 255, (5, 1, 28, 28), dtype=torch.uint8)
+    out = brickyard.predict(str(trained / "checkpoints" / "best.pt"), x, outputs=["conv1", "fc"])
+    assert out["conv1"].shape == (5, 20, 28, 28) and out["fc"].shape == (5, 10) and out["predicted"].shape == (5,)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    res = brickyard.predict(model, torch.randn(2, 1, 2, 2), outputs=["1"])
+    assert res["1"].shape == (2, 3)
