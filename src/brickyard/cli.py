@@ -88,6 +88,19 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="write to this file instead of printing")
     pr.add_argument("--device", default="cpu")
 
+    b = sub.add_parser("bench", help="throughput, step-time breakdown and scaling over device specs",
+                       epilog="examples:\n  brickyard bench mnist --steps 50\n  brickyard bench mnist --devices cpu:1 cpu:2 --out runs/bench\n"
+                              "  brickyard bench mnist --devices 0 0,1 0,1,2,3\n  brickyard bench mnist --loader\n", formatter_class=raw)
+    b.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--steps", type=int, default=50, help="timed steps per pass (default 50)")
+    b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    b.add_argument("--devices", nargs="+", metavar="SPEC", help="one or more specs: cpu, cpu:N, cuda, 0,1 ...")
+    b.add_argument("--out", help="folder for bench.json and scaling.png (several specs)")
+    b.add_argument("--loader", action="store_true", help="compare the in-memory and streaming loaders")
+    b.add_argument("--device", help=argparse.SUPPRESS)
+    b.add_argument("--result", help=argparse.SUPPRESS)  # a worker job writes rank 0's result here
+
     sub.add_parser("models", help="list the model registry with parameter counts")
     sub.add_parser("presets", help="list the shipped presets")
     return p
@@ -188,6 +201,54 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+    from brickyard import api, bench
+    from brickyard.runlog import write_json
+    if args.steps < 1 or args.warmup < 0:
+        raise BrickyardError("--steps must be at least 1 and --warmup at least 0.")
+    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
+    cfg = api.resolve_config(args.config or "mnist", overrides)
+    if args.result:  # a job of one spec: in this process, or one torchrun job whose rank 0 writes the result
+        from brickyard import launch
+        spec = (args.devices or [None])[0]
+        if spec is not None:
+            nproc, device, visible = launch.parse_devices(spec)
+            if nproc > 1:
+                args.nnodes, args.node_rank, args.master, args.max_restarts, args.config = 1, 0, None, 0, args.config
+                worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
+                worker += ["--device", device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
+                return launch.run_torchrun(args, cfg, nproc, device, visible, worker, Path(args.result).parent)
+            cfg = cfg.replace(**{"train.device": device})
+        r = bench.run_local(cfg, args.steps, args.warmup)
+        if dist.from_env().is_main:
+            write_json(Path(args.result), r)
+        return 0
+    if args.loader:
+        for kind in ("memory", "stream"):
+            r = bench.run_local(cfg.replace(**{"data.loader": kind}), args.steps, args.warmup)
+            print(f"[{kind}] " + bench.format_result(r))
+        return 0
+    specs = args.devices or ["cpu"]
+    results = []
+    for spec in specs:
+        r = bench.run_job(args, cfg, spec)
+        results.append((spec, r))
+        print(f"--- devices {spec}\n{bench.format_result(r)}", flush=True)
+    if len(results) > 1:
+        table, rows = bench.scaling_table(results)
+        print(table)
+        out = Path(args.out) if args.out else Path("runs") / "bench"
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "bench.json", {"results": {s: r for s, r in results}, "scaling": rows})
+        bench.plot_scaling(rows, out / "scaling.png")
+        print(f"wrote {out / 'bench.json'} and {out / 'scaling.png'}")
+    elif args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(args.out) / "bench.json", {"results": {specs[0]: results[0][1]}})
+    return 0
+
+
 def cmd_plot(args) -> int:
     from brickyard.plots import plot_runs
     for path in plot_runs(args.runs, args.out):
@@ -239,4 +300,4 @@ def cmd_predict(args) -> int:
     return 0
 
 
-COMMANDS = {"plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+COMMANDS = {"bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

@@ -118,7 +118,7 @@ def _is_local(host: str) -> bool:
 
 
 def launch(args, cfg) -> int:
-    """Run the job under torchrun; returns the exit code of the job."""
+    """Run the training job under torchrun (one process: in this process); returns the exit code."""
     from brickyard.runlog import default_run_dir
     nproc, device, visible = parse_devices(args.devices)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
@@ -132,6 +132,11 @@ def launch(args, cfg) -> int:
         summary = api.train_config(cfg.replace(**{"train.device": device}), run_dir, args.resume, log_dir=log_dir)
         _print_result(summary)
         return 0
+    return run_torchrun(args, cfg, nproc, device, visible, worker_argv(args, run_dir, log_dir, device), log_dir)
+
+
+def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker: list[str], log_dir: Path) -> int:
+    """``torchrun ... -m brickyard WORKER...`` in this process; failures become one sentence."""
     env_threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(env_threads))  # silences torchrun's warning; set before it starts
     if visible is not None:
@@ -139,7 +144,7 @@ def launch(args, cfg) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    targv = torchrun_argv(args, nproc, cfg.dist.timeout_s) + ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, device)
+    targv = torchrun_argv(args, nproc, cfg.dist.timeout_s) + ["-m", "brickyard"] + worker
     world = nproc * args.nnodes
     print(f"launching {world} processes ({nproc} per node x {args.nnodes} node(s), {device}) with torchrun; "
           f"global batch {cfg.data.batch_size * world * cfg.train.grad_accum}; logs in {log_dir}", flush=True)

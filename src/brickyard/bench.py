@@ -1,0 +1,196 @@
+"""``brickyard bench``: where the time of a training step goes, and how it scales.
+
+One process (or one torchrun job) runs ``warmup`` untimed steps, then ``steps`` timed steps in two
+passes over the same loop, synchronising the device at phase boundaries (bench only; training
+never does this):
+
+- pass A, gradients *not* synchronised (DDP ``no_sync``): data wait, forward+backward, optimiser;
+- pass B, the real step: the extra forward+backward time over pass A is the gradient
+  synchronisation that the all-reduce could not hide behind the backward pass.
+
+Throughput is the median (min, max) over windows of pass B; warm-up is excluded. Several device
+specs run as separate jobs, and speed-up and scaling efficiency are computed against the first.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from brickyard import device as dev
+from brickyard import dist
+from brickyard.errors import BrickyardError
+
+INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
+COMM_BOUND = 0.20
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device) -> dict:
+    if device.type == "cuda":
+        return {"peak_device_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+    import resource
+    return {"peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
+    """Benchmark this process's share of the job described by ``cfg``; rank 0's result is complete."""
+    from brickyard.api import build_model
+    from brickyard.data import build_data
+    from brickyard.data.augment import DevicePrep
+    from brickyard.data.loaders import make_train_loader
+    from brickyard.optim import build_optimizer, param_groups
+
+    info = dist.from_env()
+    t = cfg.train
+    device = dev.resolve_device(t.device, info.local_rank)
+    threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
+    precision = dev.resolve_precision(t.precision, device)
+    channels_last = dev.resolve_channels_last(t.channels_last, precision, device)
+    dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
+    try:
+        data = build_data(cfg.data)
+        torch.manual_seed(t.seed)
+        model = build_model(cfg, data).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+        optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
+        ddp = model
+        if info.distributed:
+            ddp = torch.nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+        fwd = torch.compile(ddp) if t.compile else ddp
+        loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed)
+        prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
+        batches = _endless(loader)
+
+        def one_step(step, comm: bool):
+            t0 = time.perf_counter()
+            x, y, n_global, offset = next(batches)
+            x = prep(x, step, n_global, offset)
+            _sync(device)
+            t1 = time.perf_counter()
+            with (nullcontext() if comm or ddp is model else ddp.no_sync()):
+                with dev.autocast(device, precision):
+                    loss = F.cross_entropy(fwd(x).float(), y)
+                loss.backward()
+            _sync(device)
+            t2 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            t3 = time.perf_counter()
+            return t1 - t0, t2 - t1, t3 - t2, len(y)
+
+        for s in range(warmup):
+            one_step(s, True)
+        passes = {}
+        for name, comm in (("A", False), ("B", True)):
+            rows = [one_step(warmup + s, comm) for s in range(steps)]
+            passes[name] = rows
+        loader.close()
+        a, b = passes["A"], passes["B"]
+        med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
+        data_wait, compute, opt_step = med(b, 0), med(a, 1), med(b, 2)
+        sync = max(0.0, med(b, 1) - med(a, 1))
+        step_time = data_wait + med(b, 1) + opt_step
+        windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
+        ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for w_ in [w] for r in w_) for w in windows]
+        result = {
+            "images_per_second": statistics.median(ips), "images_per_second_min": min(ips), "images_per_second_max": max(ips),
+            "seconds_per_epoch": len(data.train) / statistics.median(ips),
+            "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * sync,
+                        "optimizer": 1e3 * opt_step, "total": 1e3 * step_time},
+            "world_size": info.world_size, "per_device_batch": cfg.data.batch_size,
+            "global_batch": cfg.data.batch_size * info.world_size, "device": dev.describe(device), "precision": precision,
+            "channels_last": channels_last, "threads_per_process": threads, "loader": type(loader).__name__,
+            "model": cfg.model.name, "data": cfg.data.name, "steps": steps, "warmup": warmup, **_peak_memory(device),
+        }
+        result["verdict"] = verdict(result)
+        return result
+    finally:
+        dist.shutdown()
+
+
+def _endless(loader):
+    epoch = 0
+    while True:
+        yield from loader.epoch(epoch)
+        epoch += 1
+
+
+def verdict(r: dict) -> str:
+    ms = r["step_ms"]
+    total = max(ms["total"], 1e-9)
+    if ms["data_wait"] / total > INPUT_BOUND:
+        return f"input-bound: {100 * ms['data_wait'] / total:.0f}% of each step waits for data (> {100 * INPUT_BOUND:.0f}%)"
+    if ms["grad_sync"] / total > COMM_BOUND:
+        return f"communication-bound: {100 * ms['grad_sync'] / total:.0f}% of each step is un-hidden gradient all-reduce"
+    return f"compute-bound: forward+backward is {100 * ms['forward_backward'] / total:.0f}% of each step"
+
+
+def format_result(r: dict) -> str:
+    ms = r["step_ms"]
+    mem = ", ".join(f"{k} {v:,.0f}" for k, v in r.items() if k.startswith("peak_"))
+    return "\n".join([
+        f"{r['model']} on {r['data']}, {r['device']}, precision {r['precision']}, channels_last {r['channels_last']}, "
+        f"{r['threads_per_process']} threads/process, world size {r['world_size']}, global batch {r['global_batch']}, {r['loader']}",
+        f"images/s {r['images_per_second']:,.0f} (min {r['images_per_second_min']:,.0f}, max {r['images_per_second_max']:,.0f}), "
+        f"{r['seconds_per_epoch']:.1f} s/epoch, {mem}",
+        f"step {ms['total']:.1f} ms = data wait {ms['data_wait']:.1f} + forward/backward {ms['forward_backward']:.1f} "
+        f"+ gradient sync {ms['grad_sync']:.1f} + optimiser {ms['optimizer']:.1f}",
+        f"verdict: {r['verdict']}",
+    ])
+
+
+def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
+    base = results[0][1]
+    base_per_proc = base["images_per_second"] / base["world_size"]
+    rows, lines = [], [f"{'devices':<12} {'world':>5} {'images/s':>10} {'speed-up':>9} {'efficiency':>10}  verdict"]
+    for spec, r in results:
+        speedup = r["images_per_second"] / base["images_per_second"]
+        eff = r["images_per_second"] / (base_per_proc * r["world_size"])
+        rows.append({"devices": spec, "world_size": r["world_size"], "images_per_second": r["images_per_second"],
+                     "speedup": speedup, "efficiency": eff, "verdict": r["verdict"]})
+        lines.append(f"{spec:<12} {r['world_size']:>5} {r['images_per_second']:>10,.0f} {speedup:>8.2f}x {100 * eff:>9.0f}%  {r['verdict']}")
+    return "\n".join(lines), rows
+
+
+def plot_scaling(rows: list[dict], path: Path) -> None:
+    from brickyard.plots import _pyplot
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ws = [r["world_size"] for r in rows]
+    ax.plot(ws, [r["images_per_second"] for r in rows], "o-", label="images/s")
+    ax.set(xlabel="world size (processes)", ylabel="images/s")
+    ax2 = ax.twinx()
+    ax2.plot(ws, [100 * r["efficiency"] for r in rows], "s--", color="tab:orange", label="efficiency %")
+    ax2.set(ylabel="scaling efficiency (%)", ylim=(0, 110))
+    fig.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_job(args, cfg, spec: str) -> dict:
+    """Run one device spec as its own process(es) and return rank 0's result."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        result = Path(d) / "result.json"
+        argv = [sys.executable, "-m", "brickyard", "bench"] + ([args.config] if args.config else [])
+        for item in args.overrides:
+            argv += ["--set", item]
+        argv += ["--devices", spec, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result)]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0 or not result.is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise BrickyardError(f"bench --devices {spec} failed: {last}")
+        return json.loads(result.read_text())
