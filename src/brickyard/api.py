@@ -53,6 +53,12 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     model = build_model(cfg, data)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True}
+    ft = cfg.finetune
+    if ft.init_from or ft.reset_head or ft.freeze:
+        from brickyard.finetune import prepare
+        from brickyard import dist
+        from brickyard.runlog import Logger
+        prepare(model, ft, cfg.model.num_classes or data.num_classes, Logger(dist.from_env().rank))
     return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
 
 

@@ -28,6 +28,7 @@ EXAMPLES = {
     "data": """examples:
   brickyard data fetch mnist
   brickyard data info fashion-mnist
+  brickyard data export mnist digits/      # then: --set data.name=imagefolder --set data.root=digits
 """,
 }
 
@@ -60,9 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="fetch or describe a data set", epilog=EXAMPLES["data"], formatter_class=raw)
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
-    for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds")):
+    for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds"),
+                      ("export", "write a data set as a PNG image folder (train/, val/, test/)")):
         a = dsub.add_parser(name, help=doc)
         a.add_argument("name", help="mnist or fashion-mnist")
+        if name == "export":
+            a.add_argument("out", metavar="DIR", help="folder to write")
+            a.add_argument("--limit", type=int, default=0, help="only the first N images of each split")
         a.add_argument("--root", help="folder holding the data set's files")
 
     pl = sub.add_parser("plot", help="PNG curves (several runs overlay), confusion matrix, misclassified images",
@@ -166,6 +171,12 @@ def cmd_data(args) -> int:
         raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
     if args.name not in idx.SPECS:
         raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
+    if args.data_command == "export":
+        from pathlib import Path
+        from brickyard.data.export import export_idx
+        counts = export_idx(args.name, Path(args.out), args.root, args.limit)
+        print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} PNG images to {args.out}")
+        return 0
     if args.data_command == "fetch":
         arrays = idx.load_idx(args.name, args.root, allow_download=True)
         print(f"{args.name}: {len(arrays['train-labels-idx1-ubyte']):,} train + "

@@ -42,8 +42,8 @@ class SyntheticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic"))
-    root: Union[str, None] = _opt(None, doc="folder holding this data set's files")
+    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic", "imagefolder"))
+    root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
     batch_size: int = _opt(128, min=1, doc="per-device batch size")
     eval_batch_size: int = _opt(250, min=1)
@@ -55,6 +55,14 @@ class DataConfig:
     augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
     shift: int = _opt(2, min=0, max=16, doc="pixels for shift / crop augmentation")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
+    train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
+    train_transforms: tuple = _opt(("random_resized_crop:224", "hflip"), doc="imagefolder training transforms")
+    eval_transforms: tuple = _opt(("resize:256", "center_crop:224"), doc="imagefolder evaluation transforms")
+    normalize: str = _opt("imagenet", choices=("imagenet", "mnist", "half", "none"), doc="imagefolder mean/std")
+    channels: int = _opt(0, min=0, doc="imagefolder channels (0 = from the first training image)")
+    val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="imagefolder without val/: hold out this fraction of train")
+    skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,14 @@ class DistConfig:
 
 
 @dataclass(frozen=True)
+class FinetuneConfig:
+    init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors)")
+    reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
+    freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*]")
+    head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")
+
+
+@dataclass(frozen=True)
 class Config:
     preset: str = _opt("custom")
     data: DataConfig = field(default_factory=DataConfig)
@@ -157,6 +173,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

@@ -77,9 +77,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 _NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
 
 
-def param_groups(model: torch.nn.Module, cfg) -> list[dict]:
+def param_groups(model: torch.nn.Module, cfg, head: str | None = None, head_lr_mult: float = 1.0) -> list[dict]:
     """Optimiser groups from ``optim.param_groups`` rules (first match wins), ``decay_bias_norm``
-    and the trainable parameters of ``model``. Each group carries ``names`` for printing."""
+    and the trainable parameters of ``model``; ``head``'s parameters get ``head_lr_mult`` unless a
+    rule says otherwise. Each group carries ``names`` for printing."""
     import fnmatch
     norm_params = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
     rules = list(cfg.param_groups)
@@ -91,6 +92,8 @@ def param_groups(model: torch.nn.Module, cfg) -> list[dict]:
         wd, mult, label = cfg.weight_decay, 1.0, "default"
         if not cfg.decay_bias_norm and (name.endswith("bias") or id(p) in norm_params):
             wd, label = 0.0, "no-decay (bias/norm)"
+        if head and head_lr_mult != 1.0 and name.startswith(head + "."):
+            mult, label = head_lr_mult, f"head {head}"
         for i, rule in enumerate(rules):
             if fnmatch.fnmatchcase(name, rule.match):
                 used[i] = True

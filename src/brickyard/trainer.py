@@ -33,6 +33,7 @@ from brickyard.data import DataBundle, Split
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, eval_batches, make_train_loader
 from brickyard.errors import BrickyardError, CheckpointError
+from brickyard.finetune import find_head
 from brickyard.inspection import Watcher, first_nonfinite
 from brickyard.metrics import EvalAccumulator, fit_hint
 from brickyard.optim import Schedule, build_optimizer, describe_groups, l1_penalty, param_groups, set_lr
@@ -69,7 +70,8 @@ class _StopFlag:
 
 
 def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.device, precision: str,
-             batch_size: int, num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0) -> dict:
+             batch_size: int, num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
+             num_workers: int = 0) -> dict:
     """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
     exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
     rank's misclassified raw images with true and predicted labels (host syncs; test time only)."""
@@ -78,7 +80,7 @@ def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.dev
     acc = EvalAccumulator(num_classes, device)
     errors, kept = [], 0
     with torch.no_grad(), dev.autocast(device, precision):
-        for x, y in eval_batches(split, batch_size, device, world, rank):
+        for x, y in eval_batches(split, batch_size, device, world, rank, num_workers):
             pred = acc.update(model(prep(x)), y)
             if kept < keep_errors:
                 wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
@@ -171,7 +173,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw_model = model
-    groups = param_groups(model, cfg.optim)
+    head = find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None
+    groups = param_groups(model, cfg.optim, head, cfg.finetune.head_lr_mult)
     params = [p for g in groups for p in g["params"]]
     optimizer = build_optimizer(cfg.optim, groups)
 
@@ -269,7 +272,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         if data.val is None:
             return None
         r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
-                     data_world, info.rank, group)
+                     data_world, info.rank, group, num_workers=cfg.data.num_workers)
         dist.all_reduce_sum(epoch_stats, group)
         train_acc = (epoch_stats[1] / epoch_stats[2].clamp(min=1)).item()
         epoch_stats.zero_()
@@ -414,7 +417,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
     if data.test is not None:
         r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
-                     data_world, info.rank, group, keep_errors=36 if info.is_main and t.plots else 0)
+                     data_world, info.rank, group, keep_errors=36 if info.is_main and t.plots else 0,
+                     num_workers=cfg.data.num_workers)
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
         metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
                       per_class_accuracy=r["per_class_accuracy"], confusion=r["confusion"])

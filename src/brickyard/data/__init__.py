@@ -51,9 +51,21 @@ MNIST_STATS = {"mnist": ((0.1307,), (0.3081,)), "fashion-mnist": ((0.2860,), (0.
 
 def build_data(cfg) -> DataBundle:
     """Load the data set named by ``cfg`` (a ``DataConfig``)."""
+    return _subset(_build(cfg), cfg)
+
+
+def _build(cfg) -> DataBundle:
     if cfg.name == "synthetic":
         from brickyard.data.synthetic import synthetic_bundle
         return synthetic_bundle(cfg.synthetic, seed=1234)
+    if cfg.name == "imagefolder":
+        from brickyard.data.imagefolder import decode, imagefolder_bundle, scan
+        from pathlib import Path
+        channels = cfg.channels
+        if not channels and cfg.root:
+            files, _, _ = scan(Path(cfg.root).expanduser() / "train")
+            channels = decode(files[0]).shape[0]
+        return imagefolder_bundle(cfg, channels or 3)
     from brickyard.data import idx
 
     arrays = idx.load_idx(cfg.name, cfg.root, cfg.download)
@@ -67,6 +79,35 @@ def build_data(cfg) -> DataBundle:
         train, val = Split(x_train[:50000], y_train[:50000]), Split(x_train[50000:], y_train[50000:])
     mean, std = MNIST_STATS[cfg.name]
     return DataBundle(cfg.name, train, val, Split(x_test, y_test), 10, 1, (28, 28), mean, std, list(idx.classes(cfg.name)))
+
+
+def _subset(bundle: DataBundle, cfg) -> DataBundle:
+    """Apply ``data.classes`` (relabelled 0..k-1) and ``data.train_per_class`` to tensor splits."""
+    if not cfg.classes and not cfg.train_per_class:
+        return bundle
+    if not bundle.in_memory:
+        raise DataError("data.classes and data.train_per_class work on data sets held as tensors (mnist, fashion-mnist, synthetic).")
+    keep = list(cfg.classes) or list(range(bundle.num_classes))
+    bad = [c for c in keep if not isinstance(c, int) or not 0 <= c < bundle.num_classes]
+    if bad:
+        raise DataError(f"data.classes: {bad[0]!r} is not a class index 0..{bundle.num_classes - 1}.")
+    remap = torch.full((bundle.num_classes,), -1, dtype=torch.long)
+    remap[torch.tensor(keep)] = torch.arange(len(keep))
+
+    def cut(split: Split | None, per_class: int) -> Split | None:
+        if split is None:
+            return None
+        mask = remap[split.labels] >= 0
+        idx = mask.nonzero().flatten()
+        if per_class:
+            labels = split.labels[idx]
+            idx = torch.cat([idx[labels == c][:per_class] for c in keep])
+            idx = idx.sort().values
+        return Split(split.images[idx], remap[split.labels[idx]])
+
+    return DataBundle(bundle.name, cut(bundle.train, cfg.train_per_class), cut(bundle.val, 0), cut(bundle.test, 0),
+                      len(keep), bundle.in_channels, bundle.image_size, bundle.mean, bundle.std,
+                      [bundle.classes[c] for c in keep] if bundle.classes else [])
 
 
 def from_user(train, val=None, test=None, num_classes: int | None = None) -> DataBundle:

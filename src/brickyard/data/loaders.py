@@ -105,12 +105,23 @@ class StreamLoader:
     def epoch(self, epoch: int, start: int = 0):
         self.sampler.epoch, self.sampler.start = epoch, start
         non_blocking = self.device.type == "cuda"
-        for step, (x, y) in enumerate(self.loader, start):
+        for step, (x, y) in enumerate(_clean_errors(self.loader), start):
             n = self.plan.n_global(step)
             yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking), n, self.plan.offset(n)
 
     def close(self):
         del self.loader
+
+
+def _clean_errors(iterable):
+    """Re-raise a worker's DataError as the one sentence it was, without the worker traceback."""
+    from brickyard.errors import DataError
+    try:
+        yield from iterable
+    except DataError as e:
+        lines = [l for l in str(e).splitlines() if l.strip()]
+        last = lines[-1] if lines else str(e)
+        raise DataError(last.split("DataError: ", 1)[-1]) from None
 
 
 def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int):
@@ -136,5 +147,5 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
         return
     subset = torch.utils.data.Subset(split.dataset, mine.tolist())
     loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=num_workers)
-    for x, y in loader:
+    for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)

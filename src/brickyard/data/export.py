@@ -1,0 +1,38 @@
+"""``brickyard data export mnist DIR``: an IDX data set as a PNG image folder.
+
+Writes ``DIR/train/<class>/<index>.png`` (the first 50,000 training images), ``DIR/val/...`` (the
+last 10,000) and ``DIR/test/...``, so the image-folder path sees the same split as the IDX path.
+Each file is written to a temporary name and renamed, so an interrupted export leaves no
+half-written PNG.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from brickyard.data import idx
+
+
+def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0) -> dict[str, int]:
+    from PIL import Image
+    arrays = idx.load_idx(name, root, allow_download=True)
+    x, y = arrays["train-images-idx3-ubyte"], arrays["train-labels-idx1-ubyte"]
+    splits = {"train": (x[:50000], y[:50000]), "val": (x[50000:], y[50000:]),
+              "test": (arrays["t10k-images-idx3-ubyte"], arrays["t10k-labels-idx1-ubyte"])}
+    classes = [c.replace("/", "-") for c in idx.classes(name)]
+    counts = {}
+    for split, (images, labels) in splits.items():
+        n = min(limit, len(labels)) if limit else len(labels)
+        for c in classes:
+            (out / split / c).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            path = out / split / classes[int(labels[i])] / f"{i:05d}.png"
+            if path.exists():
+                continue
+            tmp = path.with_name(f".{path.name}.tmp")
+            Image.fromarray(np.asarray(images[i])).save(tmp, format="PNG")
+            os.replace(tmp, path)
+        counts[split] = n
+    return counts

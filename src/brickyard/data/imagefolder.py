@@ -1,0 +1,129 @@
+"""Image-folder data sets: ``ROOT/train/<class>/*.png|jpg``, ``ROOT/test/...``, optional ``ROOT/val/...``.
+
+Class names are the sorted folder names of ``train``. Images are decoded with Pillow in the
+DataLoader workers and transformed with torch ops (``brickyard.data.transforms``).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from brickyard.data import DataBundle, Split
+from brickyard.data.transforms import NAMED_STATS, Pipeline
+from brickyard.errors import ConfigError, DataError
+
+IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def decode(path: Path) -> torch.Tensor:
+    """uint8 C x H x W (1 channel for grayscale files, else 3); a clear error naming a bad file."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as im:
+            im = im.convert("L") if im.mode in ("L", "1", "I;16", "I") else im.convert("RGB")
+            arr = np.asarray(im, dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise DataError(f"{path} is unreadable or truncated ({e}); fix or delete it, or set data.skip_bad_images: true.") from None
+    t = torch.from_numpy(arr)
+    return t[None] if t.dim() == 2 else t.permute(2, 0, 1).contiguous()
+
+
+def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:
+    if not folder.is_dir():
+        raise DataError(f"image folder {folder} does not exist.")
+    found = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not found:
+        raise DataError(f"{folder} has no class folders; expected {folder}/<class>/<image files>.")
+    if classes is None:
+        classes = found
+    else:
+        extra = [c for c in found if c not in classes]
+        if extra:
+            raise DataError(f"{folder} has class folder {extra[0]!r} that the training split lacks; classes are {', '.join(classes)}.")
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        d = folder / name
+        if not d.is_dir():
+            continue
+        entries = sorted(p for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+        for p in entries:
+            if p.suffix.lower() not in IMAGE_EXT:
+                raise DataError(f"{p} is not an image file (extension {p.suffix or 'none'}); images must be one of {', '.join(sorted(IMAGE_EXT))}.")
+        if not entries:
+            raise DataError(f"class folder {d} is empty.")
+        files += entries
+        labels += [label] * len(entries)
+    return files, labels, classes
+
+
+class ImageFolderDataset(torch.utils.data.Dataset):
+    def __init__(self, files, labels, pipeline: Pipeline):
+        self.files, self.labels, self.pipeline = files, labels, pipeline
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        return self.pipeline(decode(self.files[i])), self.labels[i]
+
+
+def _drop_bad(files, labels):
+    good_f, good_l, bad = [], [], []
+    for f, l in zip(files, labels):
+        try:
+            decode(f)
+            good_f.append(f)
+            good_l.append(l)
+        except DataError:
+            bad.append(f)
+    if bad:
+        warnings.warn(f"skipped {len(bad)} unreadable image file(s) (first: {bad[0]})", stacklevel=2)
+    return good_f, good_l, bad
+
+
+def imagefolder_bundle(cfg, channels: int) -> DataBundle:
+    if not cfg.root:
+        raise ConfigError("data.root: an image-folder data set needs data.root, the folder holding train/ and test/.")
+    root = Path(cfg.root).expanduser()
+    files, labels, classes = scan(root / "train")
+    size = _output_size(cfg)
+    train_pipe = Pipeline(cfg.train_transforms, channels)
+    eval_pipe = Pipeline(cfg.eval_transforms, channels)
+    skipped = []
+    if cfg.skip_bad_images:
+        files, labels, skipped = _drop_bad(files, labels)
+    val = None
+    if (root / "val").is_dir():
+        vf, vl, _ = scan(root / "val", classes)
+        val = Split(dataset=ImageFolderDataset(vf, vl, eval_pipe))
+    elif cfg.val_fraction > 0:
+        g = torch.Generator().manual_seed(0)
+        order = torch.randperm(len(files), generator=g).tolist()
+        n_val = max(1, int(len(files) * cfg.val_fraction))
+        vidx, tidx = order[:n_val], order[n_val:]
+        val = Split(dataset=ImageFolderDataset([files[i] for i in vidx], [labels[i] for i in vidx], eval_pipe))
+        files, labels = [files[i] for i in tidx], [labels[i] for i in tidx]
+    test = None
+    if (root / "test").is_dir():
+        tf, tl, _ = scan(root / "test", classes)
+        if cfg.skip_bad_images:
+            tf, tl, more = _drop_bad(tf, tl)
+            skipped += more
+        test = Split(dataset=ImageFolderDataset(tf, tl, eval_pipe))
+    mean, std = NAMED_STATS[cfg.normalize]
+    if channels == 1:
+        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    return DataBundle("imagefolder", Split(dataset=ImageFolderDataset(files, labels, train_pipe)), val, test,
+                      len(classes), channels, size, tuple(mean), tuple(std), classes)
+
+
+def _output_size(cfg) -> tuple[int, int]:
+    """The image size the eval pipeline produces (its last resize or crop)."""
+    for spec in reversed(list(cfg.eval_transforms)):
+        name, _, arg = str(spec).partition(":")
+        if name in ("center_crop", "random_resized_crop") or (name == "resize" and "x" in arg):
+            return (int(arg), int(arg)) if "x" not in arg else tuple(int(v) for v in arg.split("x"))
+    raise ConfigError("data.eval_transforms must end in a fixed size (center_crop:S or resize:HxW) so images batch together.")

@@ -1,0 +1,112 @@
+"""Image transforms written with torch ops, configured as short strings.
+
+A pipeline is a list like ``["resize:36", "random_resized_crop:32", "hflip"]``. Each transform
+takes and returns a uint8 tensor C x H x W (uint8 keeps worker-to-trainer transfers small);
+normalisation happens later on the device. Randomness uses torch's RNG, which the DataLoader seeds
+per worker.
+
+- ``resize:S`` shorter side to S (``resize:HxW`` exact size), bilinear with antialiasing
+- ``center_crop:S`` / ``center_crop:HxW``
+- ``random_resized_crop:S`` area 8-100%, aspect 3/4-4/3, then resize to S
+- ``hflip`` horizontal flip with probability 0.5
+- ``grayscale`` / ``rgb`` convert channels (the model's channels are matched automatically)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from brickyard.errors import ConfigError
+
+NAMED_STATS = {
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    "mnist": ((0.1307,) * 3, (0.3081,) * 3),
+    "none": ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),
+}
+
+
+def _size(arg: str, name: str) -> tuple[int, int] | int:
+    try:
+        if "x" in arg:
+            h, w = arg.split("x")
+            return int(h), int(w)
+        return int(arg)
+    except ValueError:
+        raise ConfigError(f"transform {name}:{arg}: the size must be a number or HxW, e.g. {name}:224.") from None
+
+
+def _resize(img: torch.Tensor, size) -> torch.Tensor:
+    h, w = img.shape[-2:]
+    if isinstance(size, int):
+        scale = size / min(h, w)
+        size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    if tuple(size) == (h, w):
+        return img
+    out = F.interpolate(img[None].float(), size=size, mode="bilinear", align_corners=False, antialias=True)[0]
+    return out.round().clamp(0, 255).to(torch.uint8)
+
+
+def _center_crop(img: torch.Tensor, size) -> torch.Tensor:
+    th, tw = (size, size) if isinstance(size, int) else size
+    h, w = img.shape[-2:]
+    if th > h or tw > w:
+        img = _resize(img, max(th, tw))
+        h, w = img.shape[-2:]
+    top, left = (h - th) // 2, (w - tw) // 2
+    return img[:, top:top + th, left:left + tw]
+
+
+def _random_resized_crop(img: torch.Tensor, size) -> torch.Tensor:
+    size = (size, size) if isinstance(size, int) else size
+    h, w = img.shape[-2:]
+    area = h * w
+    for _ in range(10):
+        target = area * float(torch.empty(1).uniform_(0.08, 1.0))
+        ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(torch.randint(0, h - ch + 1, (1,)))
+            left = int(torch.randint(0, w - cw + 1, (1,)))
+            return _resize(img[:, top:top + ch, left:left + cw], size)
+    return _resize(_center_crop(img, min(h, w)), size)
+
+
+def _hflip(img: torch.Tensor) -> torch.Tensor:
+    return img.flip(-1) if float(torch.rand(1)) < 0.5 else img
+
+
+def to_channels(img: torch.Tensor, channels: int) -> torch.Tensor:
+    if img.shape[0] == channels:
+        return img
+    if channels == 1:  # ITU-R 601 luma
+        w = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+        return (img[:3].float() * w).sum(0, keepdim=True).round().clamp(0, 255).to(torch.uint8)
+    return img[:1].expand(channels, -1, -1).contiguous()
+
+
+class Pipeline:
+    def __init__(self, specs, channels: int):
+        self.steps = []
+        self.channels = channels
+        for spec in specs:
+            name, _, arg = str(spec).partition(":")
+            if name == "resize":
+                self.steps.append((_resize, _size(arg, name)))
+            elif name == "center_crop":
+                self.steps.append((_center_crop, _size(arg, name)))
+            elif name == "random_resized_crop":
+                self.steps.append((_random_resized_crop, _size(arg, name)))
+            elif name == "hflip":
+                self.steps.append((lambda img, _: _hflip(img), None))
+            elif name in ("grayscale", "rgb"):
+                self.steps.append((lambda img, c: to_channels(img, c), 1 if name == "grayscale" else 3))
+            else:
+                raise ConfigError(f"transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, hflip, grayscale, rgb.")
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        for fn, arg in self.steps:
+            img = fn(img, arg)
+        return to_channels(img, self.channels)

@@ -1,0 +1,103 @@
+"""Fine-tuning: start from saved weights, replace the head, freeze layers.
+
+``finetune.init_from`` accepts a brickyard checkpoint, a plain ``state_dict`` file (``.pt``,
+``.pth``) such as torchvision's ImageNet weights, or a ``.safetensors`` file; all are loaded
+without executing code (``torch.load(weights_only=True)`` / safetensors). The registry's ResNets
+and VGG use torchvision's key names, so those files load unchanged; a ``module.`` prefix left
+by DataParallel/DDP is stripped.
+"""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from brickyard.errors import CheckpointError, ConfigError
+
+
+def find_head(model: nn.Module) -> str:
+    """The name of the classifier: the last ``nn.Linear`` in the model."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ConfigError("finetune: the model has no nn.Linear classifier to reset or to give head_lr_mult.")
+    return names[-1]
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"finetune.init_from: {path} does not exist.")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{path}: reading .safetensors needs the safetensors package (pip install safetensors).") from None
+        try:
+            state = load_file(str(path))
+        except Exception as e:  # noqa: BLE001  any parse failure means a bad file
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}).") from None
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            state = state["model"]  # a brickyard checkpoint
+        elif isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state_dict of tensors.")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
+    """Apply ``cfg`` (a ``FinetuneConfig``) to ``model`` in place and return it."""
+    head = find_head(model) if (cfg.reset_head or cfg.head_lr_mult != 1.0) else None
+    if cfg.init_from:
+        state = load_weights(cfg.init_from)
+        own = model.state_dict()
+        if cfg.reset_head:
+            state = {k: v for k, v in state.items() if not k.startswith(head + ".")}
+        for k, v in state.items():
+            if k in own and tuple(own[k].shape) != tuple(v.shape):
+                hint = " (set finetune.reset_head: true to replace the classifier)" if k.startswith(str(head or find_head(model)) + ".") else ""
+                raise CheckpointError(f"finetune.init_from: {k} has shape {tuple(v.shape)} in {cfg.init_from}, the model expects {tuple(own[k].shape)}{hint}.")
+        result = model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not (cfg.reset_head and k.startswith(head + "."))]
+        log.info(f"loaded {len(state) - len(result.unexpected_keys)} tensors from {cfg.init_from}")
+        if missing:
+            log.warning(f"keys missing from {cfg.init_from} (left as initialised): {', '.join(missing)}")
+        if result.unexpected_keys:
+            log.warning(f"keys in {cfg.init_from} that the model does not have (ignored): {', '.join(result.unexpected_keys)}")
+    if cfg.reset_head:
+        old = model.get_submodule(head)
+        new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
+        nn.init.xavier_uniform_(new.weight)
+        if new.bias is not None:
+            nn.init.zeros_(new.bias)
+        _replace(model, head, new)
+        log.info(f"new head {head}: Linear({old.in_features} -> {num_classes}), Xavier-initialised")
+    if cfg.freeze:
+        names = [n for n, _ in model.named_parameters()]
+        for pattern in cfg.freeze:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ConfigError(f"finetune.freeze: pattern {pattern!r} matches no parameter; names look like {', '.join(names[:4])}, ...")
+        frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.freeze)]
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        for name, m in model.named_modules():
+            own_params = list(m.parameters(recurse=False))
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and own_params and not any(p.requires_grad for p in own_params):
+                m.register_forward_pre_hook(lambda mod, inp: mod.eval())  # frozen batch norm keeps its statistics
+        log.info(f"frozen: {len(frozen)} parameter tensors ({sum(model.get_parameter(n).numel() for n in frozen):,} values) "
+                 f"matching {', '.join(cfg.freeze)}")
+    return model
