@@ -52,6 +52,11 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def _keep_eval(module: nn.Module, inputs) -> None:
+    """Forward pre-hook: a frozen batch norm keeps its running statistics, whatever mode the model is in."""
+    module.training = False
+
+
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -97,7 +102,7 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
         for name, m in model.named_modules():
             own_params = list(m.parameters(recurse=False))
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and own_params and not any(p.requires_grad for p in own_params):
-                m.register_forward_pre_hook(lambda mod, inp: mod.eval())  # frozen batch norm keeps its statistics
+                m.register_forward_pre_hook(_keep_eval)
         log.info(f"frozen: {len(frozen)} parameter tensors ({sum(model.get_parameter(n).numel() for n in frozen):,} values) "
                  f"matching {', '.join(cfg.freeze)}")
     return model
