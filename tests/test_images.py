@@ -112,7 +112,7 @@ def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
     model.train()
     model(torch.randn(2, 3, 64, 64))
     assert not model.layer1[0].bn1.training and model.layer2[0].bn1.training  # frozen batch norm stays in eval mode
-    with pytest.raises(CheckpointError, match="fc.weight has shape .1000, 512. .* set finetune.reset_head"):
+    with pytest.raises(CheckpointError, match=r"fc.weight has shape \(1000, 512\) in .* the model expects \(7, 512\) \(set finetune.reset_head"):
         prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", [f"finetune.init_from={path}"]).finetune, 7, Logger())
     with pytest.raises(ConfigError, match="pattern 'stem.\\*' matches no parameter"):
         prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", ["finetune.freeze=[stem.*]"]).finetune, 7, Logger())
