@@ -106,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--device", help=argparse.SUPPRESS)
     b.add_argument("--result", help=argparse.SUPPRESS)  # a worker job writes rank 0's result here
 
+    mem = sub.add_parser("memory", help="memory per device before a run, and the largest batch that fits",
+                         epilog="examples:\n  brickyard memory mnist\n  brickyard memory fashion-resnet18 --device-memory 16GiB --devices 0,1\n",
+                         formatter_class=raw)
+    mem.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
+    mem.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    mem.add_argument("--device-memory", help="memory per device, e.g. 16GiB (default: the GPU's, or none on CPU)")
+    mem.add_argument("--devices", default="cpu", help="cpu, cpu:N, cuda, or GPU ids (world size and device)")
+
     sub.add_parser("models", help="list the model registry with parameter counts")
     sub.add_parser("presets", help="list the shipped presets")
     return p
@@ -260,6 +268,55 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    import torch
+    from brickyard import api, launch
+    from brickyard import memory as mem
+    from brickyard.data import build_data
+    cfg = api.resolve_config(args.config or "mnist", args.overrides)
+    nproc, kind, _ = launch.parse_devices(args.devices)
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    data = build_data(cfg.data)
+    torch.manual_seed(cfg.train.seed)
+    model = api.build_model(cfg, data)
+    est = mem.estimate(cfg, model, data, device, nproc)
+    budget = mem.parse_size(args.device_memory) if args.device_memory else (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    print(mem.report(est, budget, str(device)))
+    if device.type == "cuda":
+        measured = _measure_cuda_step(cfg, data, device)
+        err = (est["total"] - measured) / measured
+        print(f"real step on {torch.cuda.get_device_name(device)}: torch.cuda.max_memory_allocated {mem.fmt(measured)}; "
+              f"estimate error {100 * err:+.1f}%")
+    return 0
+
+
+def _measure_cuda_step(cfg, data, device) -> int:
+    import torch
+    import torch.nn.functional as F
+    from brickyard import api
+    from brickyard import device as dev
+    from brickyard.data.augment import DevicePrep
+    from brickyard.optim import build_optimizer, param_groups
+    torch.cuda.reset_peak_memory_stats(device)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
+    model = api.build_model(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
+    opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
+    images = data.train.images.to(device) if data.in_memory else None
+    for _ in range(2):
+        x = images[:cfg.data.batch_size] if images is not None else torch.randint(
+            0, 255, (cfg.data.batch_size, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
+        x = DevicePrep(data.mean, data.std, channels_last=cl, device=device)(x)
+        with dev.autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), torch.zeros(len(x), dtype=torch.long, device=device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
 def cmd_plot(args) -> int:
     from brickyard.plots import plot_runs
     for path in plot_runs(args.runs, args.out):
@@ -311,4 +368,4 @@ def cmd_predict(args) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+COMMANDS = {"memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

@@ -93,6 +93,19 @@ def evaluate(model: nn.Module, split: Split, prep: DevicePrep, device: torch.dev
     return result
 
 
+def _oom_error(cfg, model, data, device, info) -> BrickyardError:
+    from brickyard import memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        est = memory.estimate(cfg, model.cpu(), data, device, info.world_size)
+        tips = memory.oom_tips(est, cfg)
+        need = f" (estimated {memory.fmt(est['total'])} per device)"
+    except Exception:  # noqa: BLE001  the advice must not hide the out-of-memory error itself
+        tips, need = "a smaller data.batch_size, train.grad_accum, train.precision=bf16", ""
+    return BrickyardError(f"out of memory on {device}{need}; try: {tips}.")
+
+
 def _is_comm_failure(e: RuntimeError) -> bool:
     text = str(e).lower()
     return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
@@ -141,7 +154,11 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     except BrickyardError as e:
         log.error(str(e))
         raise
+    except torch.OutOfMemoryError:
+        raise _oom_error(cfg, model, data, device, info) from None
     except RuntimeError as e:
+        if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+            raise _oom_error(cfg, model, data, device, info) from None
         if not info.distributed or not _is_comm_failure(e):
             raise
         silent = heartbeat.silent_ranks() if heartbeat else []
