@@ -114,6 +114,20 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--device-memory", help="memory per device, e.g. 16GiB (default: the GPU's, or none on CPU)")
     mem.add_argument("--devices", default="cpu", help="cpu, cpu:N, cuda, or GPU ids (world size and device)")
 
+    bo = sub.add_parser("boost", help="dimension-reduction training: stage 1 with snapshots, then P-BFGS in their subspace",
+                        epilog="examples:\n  brickyard boost dim-reduce mnist-course --stage1-epochs 5 --stage2-epochs 2\n"
+                               "  brickyard boost dim-reduce mnist-course --stage1-epochs 5 --stage2-epochs 2 --from-init\n",
+                        formatter_class=raw)
+    bsub = bo.add_subparsers(dest="boost_command", metavar="METHOD")
+    dr = bsub.add_parser("dim-reduce", help="stage 1 (normal training, snapshots), PCA, stage 2 (P-BFGS)")
+    dr.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist-course)")
+    dr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    dr.add_argument("--stage1-epochs", type=float, required=True)
+    dr.add_argument("--stage2-epochs", type=float, required=True)
+    dr.add_argument("--from-init", action="store_true", help="stage 2 starts from the initial weights, not stage 1's end")
+    dr.add_argument("--run-dir", help="run directory (stage1/ and stage2/ inside)")
+    dr.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+
     sub.add_parser("models", help="list the model registry with parameter counts")
     sub.add_parser("presets", help="list the shipped presets")
     return p
@@ -317,6 +331,30 @@ def _measure_cuda_step(cfg, data, device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
+def cmd_boost(args) -> int:
+    from pathlib import Path
+    from brickyard import api
+    from brickyard.checkpoint import step_checkpoints
+    from brickyard.runlog import default_run_dir
+    if args.boost_command != "dim-reduce":
+        raise BrickyardError("boost: say dim-reduce, e.g. `brickyard boost dim-reduce mnist-course --stage1-epochs 5 --stage2-epochs 2`.")
+    if args.stage1_epochs <= 0 or args.stage2_epochs <= 0:
+        raise BrickyardError("--stage1-epochs and --stage2-epochs must be positive.")
+    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
+    cfg = api.resolve_config(args.config or "mnist-course", overrides)
+    run = Path(args.run_dir) if args.run_dir else default_run_dir(f"{cfg.preset}-dimreduce")
+    s1 = api.train_config(cfg.replace(**{"train.epochs": args.stage1_epochs, "boost.snapshots.enabled": True}), run / "stage1")
+    print(f"stage 1: test accuracy {s1['test_accuracy']:.4f} after {s1['epochs']:g} epochs ({s1['train_seconds']:.1f}s)")
+    changes = {"train.epochs": args.stage2_epochs, "boost.dim_reduce.enabled": True,
+               "boost.dim_reduce.snapshots_dir": str(run / "stage1" / "snapshots")}
+    if not args.from_init:
+        changes["finetune.init_from"] = str(step_checkpoints(run / "stage1" / "checkpoints")[-1])
+    s2 = api.train_config(cfg.replace(**changes), run / "stage2")
+    print(f"stage 2: test accuracy {s2['test_accuracy']:.4f} after {s2['epochs']:g} more epochs ({s2['train_seconds']:.1f}s)")
+    _print_result(s2)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from brickyard.plots import plot_runs
     for path in plot_runs(args.runs, args.out):
@@ -368,4 +406,4 @@ def cmd_predict(args) -> int:
     return 0
 
 
-COMMANDS = {"memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+COMMANDS = {"boost": cmd_boost, "memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

@@ -164,6 +164,33 @@ class FinetuneConfig:
 
 
 @dataclass(frozen=True)
+class SnapshotConfig:
+    enabled: bool = _opt(False, doc="save flattened trainable parameters during training (stage 1)")
+    start_epoch: float = _opt(0.0, min=0.0, doc="first epoch to take snapshots in (0 includes the initial weights)")
+    every_steps: int = _opt(50, min=0, doc="steps between snapshots (0 = once per epoch)")
+    keep: int = _opt(40, min=2, doc="snapshots kept (must exceed dim_reduce.n_components)")
+
+
+@dataclass(frozen=True)
+class DimReduceConfig:
+    enabled: bool = _opt(False, doc="stage 2: P-BFGS in the subspace of the stage-1 trajectory")
+    n_components: int = _opt(32, min=1)
+    rho: float = _opt(0.55, min=0.0, max=1.0, doc="line-search backtracking factor")
+    sigma: float = _opt(0.4, min=0.0, max=1.0, doc="Armijo sufficient-decrease constant")
+    gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
+    alpha: float = _opt(0.001, min=0.0, doc="residual momentum step size")
+    max_search: int = _opt(2, min=1, doc="line-search trials per step")
+    snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
+    pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
+
+
+@dataclass(frozen=True)
+class BoostConfig:
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    dim_reduce: DimReduceConfig = field(default_factory=DimReduceConfig)
+
+
+@dataclass(frozen=True)
 class Config:
     preset: str = _opt("custom")
     data: DataConfig = field(default_factory=DataConfig)
@@ -174,6 +201,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    boost: BoostConfig = field(default_factory=BoostConfig)
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

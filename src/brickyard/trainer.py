@@ -27,7 +27,7 @@ from torch import nn
 
 from brickyard import checkpoint as ckpt
 from brickyard import device as dev
-from brickyard import dist, ps
+from brickyard import boost, dist, ps
 from brickyard.config import Config, save_config
 from brickyard.data import DataBundle, Split
 from brickyard.data.augment import DevicePrep
@@ -227,6 +227,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
 
     manager = CheckpointManagerFor(run_dir, c) if info.is_main else None
     step = 0
+    boost.check_config(cfg)
     state = _resume_state(resume, run_dir, log)
     if state is not None:
         path, state = state
@@ -243,6 +244,17 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             manager.best_metric = state.get("best_metric")
         log.info(f"resumed from {path} at step {step} (epoch {step // per_epoch})")
 
+    named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+    snaps = None
+    if cfg.boost.snapshots.enabled and info.is_main:
+        snaps = boost.Snapshots(boost.snapshot_dir(cfg, run_dir), cfg.boost.snapshots.keep, [n for n, _ in named])
+    booster = None
+    if cfg.boost.dim_reduce.enabled:
+        P = boost.resolve_subspace(cfg, run_dir, [n for n, _ in named], sum(p.numel() for _, p in named), log)
+        booster = boost.DimReduce([p for _, p in named], P, cfg.boost.dim_reduce)
+        log.info(f"dimension-reduction stage 2: {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
+        if state is not None and state.get("boost"):
+            booster.load_state_dict(state["boost"])
     client = ps.Client(params, layout, cfg.dist.ps.sync) if layout is not None else None
     if info.distributed and client is None:
         ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
@@ -275,6 +287,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "rng": _rng_state(device), "step": step, "epoch": step // per_epoch,
             "best_metric": manager.best_metric if manager else None, "config": cfg.to_dict(),
+            "boost": booster.state_dict() if booster is not None else None,
             "meta": {**model_meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
                      "image_size": list(data.image_size), "in_channels": data.in_channels,
                      "num_classes": data.num_classes, "data": data.name},
@@ -314,6 +327,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
         if t.nan_guard and not torch.isfinite(stats[0]).item():
             raise_nonfinite(step, x, y)
+
+    if snaps is not None and step == 0 and cfg.boost.snapshots.start_epoch == 0:
+        snaps.save(0, [p for _, p in named])  # the initial weights start the trajectory
 
     use_bar = info.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
     plain = info.is_main and not use_bar and t.progress != "none"
@@ -369,13 +385,23 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 if t.grad_clip:
                     scaler.unscale_(optimizer)
                     nn.utils.clip_grad_norm_(params, t.grad_clip)
-                if client is not None:
+                if booster is not None:
+                    # the method needs the loss on the host every step: one scalar all-reduce
+                    loss0 = float(dist.all_reduce_sum(loss_sum.detach().double().reshape(1), group)) / n_global
+                    trial = boost.make_trial_loss(raw_model, x, y, n_global, cfg.optim.label_smoothing,
+                                                  lambda: dev.autocast(device, precision), group)
+                    booster.step(loss0, trial)
+                elif client is not None:
                     client.step(lr, step)
                 else:
                     scaler.step(optimizer)
                     scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                if snaps is not None and step / per_epoch >= cfg.boost.snapshots.start_epoch and (
+                        (cfg.boost.snapshots.every_steps and step % cfg.boost.snapshots.every_steps == 0)
+                        or (not cfg.boost.snapshots.every_steps and step % per_epoch == 0)):
+                    snaps.save(step, [p for _, p in named])
                 if bar is not None:
                     bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
@@ -393,6 +419,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
                     line = (f"epoch {epoch} step {step - epoch * per_epoch}/{per_epoch} loss {loss_v:.4f} "
                             f"acc {acc_v:.4f} lr {lr:.4f} {ips:,.0f} img/s")
+                    if booster is not None:
+                        line += f", subspace steps accepted {booster.accepted}/{booster.steps}"
                     if bar is not None:
                         bar.set_postfix_str(f"loss {loss_v:.4f} acc {acc_v:.4f}")
                     log.info(line, console=plain)
