@@ -41,6 +41,9 @@ from brickyard.tboard import TBWriter
 from brickyard.runlog import Logger, MetricsWriter, env_record, write_json
 
 
+INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
+
+
 class Interrupted(BrickyardError):
     exit_code = 130
 
@@ -225,7 +228,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
-    manager = CheckpointManagerFor(run_dir, c) if info.is_main else None
+    manager = _checkpoint_manager(run_dir, c) if info.is_main else None
     step = 0
     boost.check_config(cfg)
     state = _resume_state(resume, run_dir, log)
@@ -237,7 +240,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
-        scaler.load_state_dict(state.get("scaler", {})) if state.get("scaler") else None
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"], device)
         step = int(state["step"])
         if manager is not None:
@@ -347,13 +351,15 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         while step < total_steps:
             epoch, pos = divmod(step, per_epoch)
             batches = loader.epoch(epoch, pos * t.grad_accum)
-            window_start, window_images = time.perf_counter(), 0
+            window_start, window_images, data_wait = time.perf_counter(), 0, 0.0
             for _ in range(pos, per_epoch):
                 watching = watcher is not None and step % t.watch_every == 0
                 if watching:
                     watcher.attach()
                 for micro in range(t.grad_accum):
+                    wait_start = time.perf_counter()
                     x, y, n_global, offset = next(batches)
+                    data_wait += time.perf_counter() - wait_start
                     x = prep(x, step * t.grad_accum + micro, n_global, offset)
                     sync = model.no_sync() if model is not raw_model and micro < t.grad_accum - 1 else contextlib.nullcontext()
                     with sync:
@@ -415,17 +421,20 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     train_seconds += elapsed
                     images += window_images * data_world
                     ips = window_images * data_world / max(elapsed, 1e-9)
-                    window_start, window_images = now, 0
+                    wait_frac = data_wait / max(elapsed, 1e-9)
+                    window_start, window_images, data_wait = now, 0, 0.0
                     loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
                     line = (f"epoch {epoch} step {step - epoch * per_epoch}/{per_epoch} loss {loss_v:.4f} "
                             f"acc {acc_v:.4f} lr {lr:.4f} {ips:,.0f} img/s")
                     if booster is not None:
                         line += f", subspace steps accepted {booster.accepted}/{booster.steps}"
+                    if wait_frac > INPUT_BOUND:
+                        line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data (try more data.num_workers)"
                     if bar is not None:
                         bar.set_postfix_str(f"loss {loss_v:.4f} acc {acc_v:.4f}")
                     log.info(line, console=plain)
                     metrics.write(kind="train", step=step, epoch=round(step / per_epoch, 4), loss=loss_v,
-                                  accuracy=acc_v, lr=lr, images_per_second=round(ips, 1))
+                                  accuracy=acc_v, lr=lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
                     tb.scalars(step, "train", {"loss": loss_v, "accuracy": acc_v, "lr": lr, "images_per_second": ips})
                 if c.every_steps and step % c.every_steps == 0:
                     guard(step, x, y)
@@ -493,7 +502,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     return summary
 
 
-def CheckpointManagerFor(run_dir: Path, c) -> ckpt.CheckpointManager:
+def _checkpoint_manager(run_dir: Path, c) -> ckpt.CheckpointManager:
     return ckpt.CheckpointManager(run_dir / "checkpoints", c.keep_last, c.keep_best)
 
 
