@@ -51,3 +51,13 @@ def test_parse_size():
     assert memory.parse_size("16GiB") == 16 * 2**30 and memory.parse_size("512 MB") == 512e6
     with pytest.raises(BrickyardError):
         memory.parse_size("12 parsecs")
+
+
+def test_batch_size_auto_is_chosen_and_recorded(tmp_path):
+    from brickyard import api
+    s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1"]), tmp_path / "r")
+    chosen = load_config(str(tmp_path / "r" / "config.yaml")).data.batch_size
+    assert isinstance(chosen, int) and 1 <= chosen <= 512 and s["steps"] >= 1
+    assert "data.batch_size: auto chose" in (tmp_path / "r" / "train.log").read_text()
+    with pytest.raises(Exception, match="'huge' is not a number or one of auto"):
+        load_config("mnist", ["data.batch_size=huge"])

@@ -21,9 +21,10 @@ from brickyard.errors import ConfigError
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-def _opt(default, *, choices=None, min=None, max=None, doc="", item=None):
-    """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item`` class)."""
-    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item}
+def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choices_str=None):
+    """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item``
+    class, ``choices_str``: the strings a number-or-string field accepts)."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item, "choices_str": choices_str}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,7 +46,7 @@ class DataConfig:
     name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic", "imagefolder"))
     root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
-    batch_size: int = _opt(128, min=1, doc="per-device batch size")
+    batch_size: Union[int, str] = _opt(128, min=1, choices_str=("auto",), doc="per-device batch size, or auto (the largest that fits)")
     eval_batch_size: int = _opt(250, min=1)
     train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
@@ -332,14 +333,18 @@ def _type_name(tp) -> str:
     args = typing.get_args(tp)
     if args:
         return " or ".join(_type_name(a) for a in args)
-    return {type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+    names = {type(None): "null", int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             tuple: "a list", list: "a list"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _check(key: str, value: Any, tp, meta) -> Any:
     allowed_types = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
     coerced = _coerce(value, allowed_types)
     if coerced is _BAD:
-        raise ConfigError(f"{key}: {value!r} is not a {_type_name(tp)}.")
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
+    if isinstance(coerced, str) and meta.get("choices_str") and coerced not in meta["choices_str"]:
+        raise ConfigError(f"{key}: {value!r} is not a number or one of {', '.join(meta['choices_str'])}.")
     choices = meta.get("choices")
     if choices is not None and coerced not in choices:
         shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)

@@ -147,7 +147,7 @@ def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker
     targv = torchrun_argv(args, nproc, cfg.dist.timeout_s) + ["-m", "brickyard"] + worker
     world = nproc * args.nnodes
     print(f"launching {world} processes ({nproc} per node x {args.nnodes} node(s), {device}) with torchrun; "
-          f"global batch {cfg.data.batch_size * world * cfg.train.grad_accum}; logs in {log_dir}", flush=True)
+          f"per-device batch {cfg.data.batch_size}; logs in {log_dir}", flush=True)
     try:
         torchrun.run(torchrun.parse_args(targv))
     except ChildFailedError as e:

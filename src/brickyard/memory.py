@@ -81,7 +81,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
         acts.append(activation_bytes(m, x, torch.zeros(b, dtype=torch.long), probe, precision if precision != "fp16" else "bf16"))
     per_sample = max(0.0, (acts[1] - acts[0]) / (sizes[1] - sizes[0]))
     act_fixed = max(0.0, acts[0] - per_sample * sizes[0])
-    batch = cfg.data.batch_size
+    batch = cfg.data.batch_size if isinstance(cfg.data.batch_size, int) else 1
     act_b = act_fixed + per_sample * batch
     in_memory = data.in_memory and cfg.data.loader != "stream"
     data_b = sum(s.images.numel() * s.images.element_size() for s in (data.train, data.val, data.test) if s is not None and s.images is not None) \
@@ -135,3 +135,50 @@ def oom_tips(est: dict, cfg) -> str:
     if saved_opt:
         tips.append(f"optim.name=sgd (no optimiser state: saves {fmt(saved_opt)})")
     return "; ".join(tips)
+
+
+def _available_host_memory() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: int) -> tuple[int, str]:
+    """The largest per-device batch that fits, and how it was found.
+
+    On a GPU: real forward/backward steps at doubling batch sizes, with the optimiser state's bytes
+    held in reserve, until one runs out of memory; on a CPU: the estimate against half of the
+    available RAM. Capped at the training split's size per rank and at 4096."""
+    cap = max(1, min(4096, train_size // max(world, 1)))
+    if device.type != "cuda":
+        est = estimate(cfg, model, data, device, world)
+        budget = _available_host_memory() // 2
+        return max(1, min(cap, largest_batch(est, budget, headroom=1.0))), f"estimate against half of {fmt(2 * budget)} available RAM"
+    est = estimate(cfg, model, data, torch.device("cpu"), world)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    model = model.to(device)
+    reserve = torch.empty(int(est["optimizer_state"]) // 4 + 1, device=device)  # optimiser state comes later
+    best, b = 0, 8
+    c, (h, w) = data.in_channels, data.image_size
+    while b <= cap:
+        try:
+            x = torch.randn(b, c, h, w, device=device)
+            with dev.autocast(device, precision):
+                loss = F.cross_entropy(model(x).float(), torch.zeros(b, dtype=torch.long, device=device))
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            best, b = b, b * 2
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            break
+        finally:
+            torch.cuda.empty_cache()
+    del reserve
+    if best == 0:
+        raise BrickyardError(f"data.batch_size: auto found that even a batch of 8 does not fit on {device}; {oom_tips(est, cfg)}.")
+    best = max(1, int(best * 0.9)) if best < cap else best  # the allocator needs some slack
+    return best, "probing real steps"

@@ -189,6 +189,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
 
+    if cfg.data.batch_size == "auto":
+        cfg = _resolve_auto_batch(cfg, model, data, device, info, log)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -500,6 +502,18 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
+
+
+def _resolve_auto_batch(cfg, model, data, device, info, log):
+    """``data.batch_size: auto``: probe this device, then take the smallest choice over all ranks."""
+    from brickyard import memory
+    batch, how = memory.auto_batch(cfg, model, data, device, info.world_size, len(data.train))
+    agreed = torch.tensor([batch], dtype=torch.float64, device=device)
+    if info.distributed:
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+    batch = int(agreed.item())
+    log.info(f"data.batch_size: auto chose {batch} per device ({how}, agreed by all {info.world_size} rank(s))")
+    return cfg.replace(**{"data.batch_size": batch})
 
 
 def _checkpoint_manager(run_dir: Path, c) -> ckpt.CheckpointManager:
