@@ -121,3 +121,22 @@ def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
     m = prepare(create("resnet18_imagenet", 1000, 3, (224, 224)),
                 load_config("mnist", [f"finetune.init_from={tmp_path / 'w.safetensors'}"]).finetune, 1000, Logger())
     assert torch.equal(m.fc.weight, tv["fc.weight"])
+
+
+def test_memory_cache_means_no_decoding_after_the_first_epoch(tmp_path):
+    root = tmp_path / "pics"
+    for c in ("a", "b"):
+        for i in range(6):
+            _png(root / "train" / c / f"{i}.png", (np.random.rand(10, 10) * 255).astype(np.uint8))
+    cfg = load_config("mnist", IF + [f"data.root={root}", "data.train_transforms=[resize:8x8, hflip]",
+                                     "data.eval_transforms=[resize:8x8]", "data.cache=memory"])
+    with pytest.raises(ConfigError, match="data.cache: memory needs transforms that reach a fixed size"):
+        build_data(cfg.replace(**{"data.train_transforms": ["random_resized_crop:8"]}).data)
+    ds = build_data(cfg.data).train.dataset
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    first = sorted(tuple(x.shape) for x, _ in loader)
+    assert bool(ds.filled.all())  # the workers filled the shared cache
+    for f in (root / "train").rglob("*.png"):
+        f.unlink()  # a second epoch that decoded anything would fail now
+    second = sorted(tuple(x.shape) for x, _ in loader)
+    assert first == second and len(second) == 3

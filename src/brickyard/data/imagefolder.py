@@ -60,14 +60,33 @@ def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], li
 
 
 class ImageFolderDataset(torch.utils.data.Dataset):
-    def __init__(self, files, labels, pipeline: Pipeline):
+    """Decoded with Pillow on read. With ``cache=True`` the deterministic part of the pipeline's
+    output is kept in a shared-memory tensor that the DataLoader workers fill during the first
+    epoch; later epochs read it from there and only apply the random transforms."""
+
+    def __init__(self, files, labels, pipeline: Pipeline, cache: bool = False):
         self.files, self.labels, self.pipeline = files, labels, pipeline
+        self.cache = self.filled = None
+        if cache:
+            if pipeline.fixed_size is None:
+                raise ConfigError("data.cache: memory needs transforms that reach a fixed size before any random one "
+                                  "(start with resize:HxW or center_crop:S).")
+            h, w = pipeline.fixed_size
+            self.cache = torch.zeros((len(files), pipeline.channels, h, w), dtype=torch.uint8).share_memory_()
+            self.filled = torch.zeros(len(files), dtype=torch.bool).share_memory_()
 
     def __len__(self):
         return len(self.files)
 
     def __getitem__(self, i):
-        return self.pipeline(decode(self.files[i])), self.labels[i]
+        if self.cache is not None and self.filled[i]:
+            img = self.cache[i]
+        else:
+            img = self.pipeline.first(decode(self.files[i]))
+            if self.cache is not None:
+                self.cache[i] = img
+                self.filled[i] = True
+        return self.pipeline.rest(img), self.labels[i]
 
 
 def _drop_bad(files, labels):
@@ -116,7 +135,8 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     mean, std = NAMED_STATS[cfg.normalize]
     if channels == 1:
         mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    return DataBundle("imagefolder", Split(dataset=ImageFolderDataset(files, labels, train_pipe)), val, test,
+    train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory")
+    return DataBundle("imagefolder", Split(dataset=train), val, test,
                       len(classes), channels, size, tuple(mean), tuple(std), classes)
 
 

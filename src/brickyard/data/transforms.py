@@ -87,26 +87,47 @@ def to_channels(img: torch.Tensor, channels: int) -> torch.Tensor:
     return img[:1].expand(channels, -1, -1).contiguous()
 
 
+RANDOM = {"random_resized_crop", "hflip"}
+
+
 class Pipeline:
+    """The transforms of one split. ``prefix`` (up to the first random transform, plus the channel
+    conversion) is deterministic and can be cached; ``suffix`` is applied on every read."""
+
     def __init__(self, specs, channels: int):
-        self.steps = []
+        self.prefix, self.suffix = [], []
         self.channels = channels
+        self.fixed_size = None  # (H, W) after the prefix, when it ends in a fixed size
         for spec in specs:
             name, _, arg = str(spec).partition(":")
+            target = self.suffix if (self.suffix or name in RANDOM) else self.prefix
             if name == "resize":
-                self.steps.append((_resize, _size(arg, name)))
+                size = _size(arg, name)
+                target.append((_resize, size))
             elif name == "center_crop":
-                self.steps.append((_center_crop, _size(arg, name)))
+                size = _size(arg, name)
+                target.append((_center_crop, size))
             elif name == "random_resized_crop":
-                self.steps.append((_random_resized_crop, _size(arg, name)))
+                target.append((_random_resized_crop, _size(arg, name)))
             elif name == "hflip":
-                self.steps.append((lambda img, _: _hflip(img), None))
+                target.append((lambda img, _: _hflip(img), None))
             elif name in ("grayscale", "rgb"):
-                self.steps.append((lambda img, c: to_channels(img, c), 1 if name == "grayscale" else 3))
+                target.append((lambda img, c: to_channels(img, c), 1 if name == "grayscale" else 3))
             else:
                 raise ConfigError(f"transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, hflip, grayscale, rgb.")
+            if target is self.prefix and name in ("resize", "center_crop"):
+                fixed = name == "center_crop" or isinstance(size, tuple)
+                self.fixed_size = ((size, size) if isinstance(size, int) else size) if fixed else None
 
-    def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        for fn, arg in self.steps:
+    def first(self, img: torch.Tensor) -> torch.Tensor:
+        for fn, arg in self.prefix:
             img = fn(img, arg)
         return to_channels(img, self.channels)
+
+    def rest(self, img: torch.Tensor) -> torch.Tensor:
+        for fn, arg in self.suffix:
+            img = fn(img, arg)
+        return img
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.first(img))
