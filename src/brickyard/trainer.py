@@ -236,16 +236,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     state = _resume_state(resume, run_dir, log)
     if state is not None:
         path, state = state
-        ckpt.check_model(state, raw_model, path)
-        raw_model.load_state_dict(state["model"])
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"], device)
-        step = int(state["step"])
+        step = _restore(state, path, raw_model, optimizer, scaler, device)
         if manager is not None:
             manager.best_metric = state.get("best_metric")
         log.info(f"resumed from {path} at step {step} (epoch {step // per_epoch})")
@@ -273,17 +264,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         write_json(run_dir / "env.json", env_record(device, t.seed, info.world_size, {
             "precision": precision, "channels_last": channels_last, "threads": threads,
             "model": model_meta, "restart_count": info.restart_count}))
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
-             f"{threads} threads, world size {info.world_size}, pid {os.getpid()}")
-    log.info(f"model {model_meta.get('name', type(raw_model).__name__)} ({n_params:,} parameters), "
-             f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
-             f"{len(data.test) if data.test else 0:,} test")
-    log.info(f"global batch {cfg.data.batch_size * data_world * t.grad_accum} "
-             f"({cfg.data.batch_size} per device x {data_world} x {t.grad_accum} accumulation), "
-             f"{per_epoch} steps/epoch, {total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
-    for line in describe_groups(groups, peak):
-        log.info(line)
+    _announce(log, cfg, raw_model, model_meta, data, device, precision, channels_last, threads, info, data_world,
+              per_epoch, total_steps, peak, groups)
     metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
     tb = TBWriter(run_dir if info.is_main else None, t.tensorboard, log.warning)
     watcher = Watcher(raw_model, t.watch) if t.watch else None
@@ -502,6 +484,37 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
+
+
+def _restore(state: dict, path: Path, model: nn.Module, optimizer, scaler, device: torch.device) -> int:
+    """Load a checkpoint's model, optimiser, scaler and RNG state; return its step."""
+    ckpt.check_model(state, model, path)
+    model.load_state_dict(state["model"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    _set_rng_state(state["rng"], device)
+    return int(state["step"])
+
+
+def _announce(log, cfg, model, model_meta, data, device, precision, channels_last, threads, info, data_world,
+              per_epoch, total_steps, peak, groups) -> None:
+    """The start-of-run lines: hardware and settings, model and data, batch and schedule, groups."""
+    t = cfg.train
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
+             f"{threads} threads, world size {info.world_size}, pid {os.getpid()}")
+    log.info(f"model {model_meta.get('name', type(model).__name__)} ({n_params:,} parameters), "
+             f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
+             f"{len(data.test) if data.test else 0:,} test")
+    log.info(f"global batch {cfg.data.batch_size * data_world * t.grad_accum} "
+             f"({cfg.data.batch_size} per device x {data_world} x {t.grad_accum} accumulation), "
+             f"{per_epoch} steps/epoch, {total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
+    for line in describe_groups(groups, peak):
+        log.info(line)
 
 
 def _resolve_auto_batch(cfg, model, data, device, info, log):
