@@ -163,3 +163,14 @@ def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
             pass
     assert proc.returncode != 0
     assert "did not complete within dist.timeout_s=4s; rank 1 stopped answering" in err, err[-2000:]
+
+
+def test_runs_under_an_external_torchrun(tmp_path):
+    import subprocess, sys
+    run = tmp_path / "ext"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        "-m", "brickyard", "train", "mnist", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["workerlog.0", "workerlog.1"]
