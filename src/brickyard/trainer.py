@@ -109,6 +109,25 @@ def _oom_error(cfg, model, data, device, info) -> BrickyardError:
     return BrickyardError(f"out of memory on {device}{need}; try: {tips}.")
 
 
+class _Totals:
+    """Training loss and correct predictions summed on the device since the process started; the
+    sample count is a host integer. ``read()`` is the sync point: one all-reduce of a copy."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.correct = torch.zeros((), device=device, dtype=torch.float64)
+        self.count, self.group = 0, group
+
+    def add(self, loss_sum: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss.add_(loss_sum.detach())
+        self.correct.add_((logits.detach().argmax(1) == y).sum())
+        self.count += len(y)
+
+    def read(self) -> list[float]:
+        both = torch.stack([self.loss, self.correct, torch.tensor(float(self.count), dtype=torch.float64, device=self.loss.device)])
+        return dist.all_reduce_sum(both, self.group).tolist()
+
+
 def _is_comm_failure(e: RuntimeError) -> bool:
     text = str(e).lower()
     return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
@@ -291,9 +310,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             return None
         r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
                      data_world, info.rank, group, num_workers=cfg.data.num_workers)
-        dist.all_reduce_sum(epoch_stats, group)
-        train_acc = (epoch_stats[1] / epoch_stats[2].clamp(min=1)).item()
-        epoch_stats.zero_()
+        now = totals.read()
+        train_acc = (now[1] - at_eval[1]) / max(now[2] - at_eval[2], 1)
+        at_eval[:] = now
         hint = fit_hint(train_acc, r["accuracy"])
         log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}; "
                  f"train acc {train_acc:.4f}; {hint}")
@@ -313,7 +332,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
 
     def guard(step: int, x, y) -> None:
         """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
-        if t.nan_guard and not torch.isfinite(stats[0]).item():
+        if t.nan_guard and not torch.isfinite(totals.loss).item():
             raise_nonfinite(step, x, y)
 
     if snaps is not None and step == 0 and cfg.boost.snapshots.start_epoch == 0:
@@ -326,8 +345,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         from tqdm import tqdm
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
-    stats = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count since last log
-    epoch_stats = torch.zeros(3, device=device, dtype=torch.float64)  # the same since the last evaluation
+    totals = _Totals(device, group)
+    at_log, at_eval = [0.0, 0.0, 0], [0.0, 0.0, 0]  # rank-summed totals at the last log line and evaluation
     train_seconds, images = 0.0, 0
     last_val = None
     model.train()
@@ -358,10 +377,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                         if cfg.optim.l1:
                             loss = loss + cfg.optim.l1 / t.grad_accum * l1_penalty(groups)
                         scaler.scale(loss).backward()
-                    batch_stats = torch.stack([loss_sum.detach().double(), (out.detach().argmax(1) == y).sum().double(),
-                                               torch.tensor(float(len(y)), dtype=torch.float64, device=device)])
-                    stats += batch_stats
-                    epoch_stats += batch_stats
+                    totals.add(loss_sum, out, y)
                     window_images += len(y)
                 if watching:
                     found = watcher.collect()
@@ -396,10 +412,10 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
                     # sync point: the only host read-back of the training loss
-                    dist.all_reduce_sum(stats, group)
                     guard(step, x, y)
-                    loss_sum_v, correct, count = stats.tolist()
-                    stats.zero_()
+                    now_totals = totals.read()
+                    loss_sum_v, correct, count = (a - b for a, b in zip(now_totals, at_log))
+                    at_log[:] = now_totals
                     now = time.perf_counter()
                     elapsed = now - window_start
                     train_seconds += elapsed
