@@ -9,7 +9,7 @@ from brickyard import api, checkpoint
 from brickyard.config import load_config
 from brickyard.data import build_data
 from brickyard.errors import CheckpointError, ConfigError, DataError
-from conftest import SYNTH, needs_mnist, run_cli, sets
+from conftest import SYNTH, run_cli, sets
 
 IF = ["data.name=imagefolder", "data.train_transforms=[resize:28x28]", "data.eval_transforms=[resize:28x28]",
       "data.normalize=mnist", "model.name=mnist_cnn", "train.device=cpu", "train.progress=none", "data.num_workers=1"]

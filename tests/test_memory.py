@@ -7,7 +7,7 @@ from brickyard.api import build_model
 from brickyard.config import load_config
 from brickyard.data import build_data
 from brickyard.errors import BrickyardError
-from conftest import SYNTH, needs_mnist, run_cli, sets
+from conftest import SYNTH, needs_mnist, run_cli
 
 
 def _est(*overrides):

@@ -33,24 +33,9 @@ from torch import nn
 
 from brickyard import dist
 from brickyard.errors import CheckpointError, ConfigError
+from brickyard.flat import flat_grads, flatten as flat_params, load_flat as set_flat
 
 _SNAP = re.compile(r"^snap-(\d+)\.pt$")
-
-
-def flat_params(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def set_flat(params, flat: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-def flat_grads(params) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
 # ---------------------------------------------------------------------------------------------

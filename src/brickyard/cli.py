@@ -298,37 +298,11 @@ def cmd_memory(args) -> int:
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     print(mem.report(est, budget, str(device)))
     if device.type == "cuda":
-        measured = _measure_cuda_step(cfg, data, device)
+        measured = mem.measure_cuda_step(cfg, data, device)
         err = (est["total"] - measured) / measured
         print(f"real step on {torch.cuda.get_device_name(device)}: torch.cuda.max_memory_allocated {mem.fmt(measured)}; "
               f"estimate error {100 * err:+.1f}%")
     return 0
-
-
-def _measure_cuda_step(cfg, data, device) -> int:
-    import torch
-    import torch.nn.functional as F
-    from brickyard import api
-    from brickyard import device as dev
-    from brickyard.data.augment import DevicePrep
-    from brickyard.optim import build_optimizer, param_groups
-    torch.cuda.reset_peak_memory_stats(device)
-    precision = dev.resolve_precision(cfg.train.precision, device)
-    cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
-    model = api.build_model(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
-    opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
-    images = data.train.images.to(device) if data.in_memory else None
-    for _ in range(2):
-        x = images[:cfg.data.batch_size] if images is not None else torch.randint(
-            0, 255, (cfg.data.batch_size, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
-        x = DevicePrep(data.mean, data.std, channels_last=cl, device=device)(x)
-        with dev.autocast(device, precision):
-            loss = F.cross_entropy(model(x).float(), torch.zeros(len(x), dtype=torch.long, device=device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
 
 
 def cmd_boost(args) -> int:

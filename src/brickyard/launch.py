@@ -94,7 +94,7 @@ def torchrun_argv(args, nproc: int, timeout_s: int) -> list[str]:
         if args.node_rank == 0 and not _port_free(host, int(port)) and _is_local(host):
             raise BrickyardError(f"--master {args.master}: port {port} is already in use on this machine; pick another.")
         out += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={args.master}", f"--rdzv-id=brickyard",
+                f"--rdzv-endpoint={args.master}", "--rdzv-id=brickyard",
                 f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}"]
     else:
         if args.master:

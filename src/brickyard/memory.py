@@ -182,3 +182,27 @@ def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: i
         raise BrickyardError(f"data.batch_size: auto found that even a batch of 8 does not fit on {device}; {oom_tips(est, cfg)}.")
     best = max(1, int(best * 0.9)) if best < cap else best  # the allocator needs some slack
     return best, "probing real steps"
+
+
+def measure_cuda_step(cfg, data, device) -> int:
+    """Peak ``max_memory_allocated`` of two real training steps at the configured batch."""
+    from brickyard import api
+    from brickyard.data.augment import DevicePrep
+    from brickyard.optim import build_optimizer, param_groups
+    torch.cuda.reset_peak_memory_stats(device)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
+    model = api.build_model(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
+    opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
+    images = data.train.images.to(device) if data.in_memory else None
+    for _ in range(2):
+        x = images[:cfg.data.batch_size] if images is not None else torch.randint(
+            0, 255, (cfg.data.batch_size, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
+        x = DevicePrep(data.mean, data.std, channels_last=cl, device=device)(x)
+        with dev.autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), torch.zeros(len(x), dtype=torch.long, device=device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

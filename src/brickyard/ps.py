@@ -28,6 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from brickyard.errors import ConfigError
+from brickyard.flat import flat_grads, flatten as _flat, load_flat
 
 _HEADER, _GRAD, _PARAM = 11, 12, 13
 
@@ -56,10 +57,6 @@ def check_layout(cfg, world: int) -> Layout:
     return Layout(world, s)
 
 
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
 def _bounds(total: int, parts: int) -> list[tuple[int, int]]:
     sizes = [len(c) for c in torch.arange(total).tensor_split(parts)]
     out, start = [], 0
@@ -76,15 +73,8 @@ class Client:
         self.params, self.layout, self.sync = params, layout, sync
         self.bounds = _bounds(sum(p.numel() for p in params), layout.servers)
 
-    def _load(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-
     def step(self, lr: float, step: int) -> None:
-        grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]).detach()
+        grad = flat_grads(self.params)
         flat = _flat([p.detach() for p in self.params])
         if self.sync:
             for i, (a, b) in enumerate(self.bounds):
@@ -103,7 +93,7 @@ class Client:
                 part = torch.empty(b - a, dtype=flat.dtype)
                 tdist.recv(part, self.layout.server_rank(i), tag=_PARAM)
                 flat[a:b] = part
-        self._load(flat)
+        load_flat(self.params, flat)
 
     def finish(self) -> None:
         """Tell async servers this trainer is done, then pull the final parameters."""
@@ -116,7 +106,7 @@ class Client:
             part = flat[a:b].contiguous()
             tdist.broadcast(part, src=self.layout.server_rank(i))
             flat[a:b] = part
-        self._load(flat)
+        load_flat(self.params, flat)
 
 
 def serve(params: list[torch.Tensor], layout: Layout, rank: int, cfg, total_steps: int, schedule, log) -> dict:

@@ -152,7 +152,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     wall_start = time.perf_counter()
     info = info or dist.from_env()
     run_dir = Path(run_dir)
-    t, c = cfg.train, cfg.checkpoint
+    t = cfg.train
 
     device = dev.resolve_device(t.device, info.local_rank)
     threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
