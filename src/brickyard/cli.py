@@ -248,10 +248,10 @@ def cmd_bench(args) -> int:
         if spec is not None:
             nproc, device, visible = launch.parse_devices(spec)
             if nproc > 1:
-                args.nnodes, args.node_rank, args.master, args.max_restarts, args.config = 1, 0, None, 0, args.config
+                job = argparse.Namespace(nnodes=1, node_rank=0, master=None, max_restarts=0)
                 worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
                 worker += ["--device", device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
-                return launch.run_torchrun(args, cfg, nproc, device, visible, worker, Path(args.result).parent)
+                return launch.run_torchrun(job, cfg, nproc, device, visible, worker, Path(args.result).parent)
             cfg = cfg.replace(**{"train.device": device})
         r = bench.run_local(cfg, args.steps, args.warmup)
         if dist.from_env().is_main:

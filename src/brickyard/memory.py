@@ -65,8 +65,6 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     param_b = sum(p.numel() * p.element_size() for p in params)
     grad_b = sum(p.numel() * p.element_size() for p in trainable)
     copies = STATE_COPIES[cfg.optim.name]
-    if cfg.optim.name == "sgd":
-        copies = 0
     state_b = copies * grad_b
     # activations: measured on the CPU at two small batches, fitted linearly
     probe = torch.device("cpu")

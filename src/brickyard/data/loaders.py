@@ -51,9 +51,11 @@ class BatchPlan:
         """Start of this rank's part of a global batch of ``n_global`` (``tensor_split`` sizes)."""
         return self.rank * (n_global // self.world) + min(self.rank, n_global % self.world)
 
-    def batches(self, epoch: int, start: int = 0):
-        """Yield ``(local_indices, n_global)`` for steps ``start..steps_per_epoch-1``."""
+    def batches(self, epoch: int, start: int = 0, device: torch.device | None = None):
+        """Yield ``(local_indices, n_global)`` for steps ``start..steps_per_epoch-1`` (indices on ``device``)."""
         perm = self.permutation(epoch)
+        if device is not None:
+            perm = perm.to(device)
         for step in range(start, self.steps_per_epoch):
             chunk = perm[step * self.global_batch:(step + 1) * self.global_batch]
             yield chunk.tensor_split(self.world)[self.rank], len(chunk)
@@ -67,12 +69,8 @@ class InMemoryLoader:
         self.device = device
 
     def epoch(self, epoch: int, start: int = 0):
-        perm = self.plan.permutation(epoch).to(self.device)
-        p = self.plan
-        for step in range(start, p.steps_per_epoch):
-            chunk = perm[step * p.global_batch:(step + 1) * p.global_batch]
-            idx = chunk.tensor_split(p.world)[p.rank]
-            yield self.images[idx], self.labels[idx], len(chunk), p.offset(len(chunk))
+        for idx, n_global in self.plan.batches(epoch, start, self.device):
+            yield self.images[idx], self.labels[idx], n_global, self.plan.offset(n_global)
 
     def close(self):
         pass
