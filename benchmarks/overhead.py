@@ -77,6 +77,7 @@ def main(argv=None):
     device = dev.resolve_device(a.device)
     if device.type == "cpu":
         dev.set_threads(0, 1)
+        dev.tune_allocator()  # process-wide; brickyard's trainer does the same, so both loops get it from round 0
     precision = dev.resolve_precision("auto", device)
     channels_last = dev.resolve_channels_last("auto", precision, device)
     n_train = max(a.batch * a.steps, 4096)

@@ -41,6 +41,7 @@ def test_run_writes_every_file(tmp_path):
     assert kinds.count("val") == 2 and "test" in kinds and "train" in kinds
     env = json.loads((run / "env.json").read_text())
     assert env["torch"] == torch.__version__ and env["seed"] == 0
+    assert env["allocator"] == ("glibc heap kept" if sys.platform.startswith("linux") else "default")
     assert load_config(str(run / "config.yaml")).optim == load_config("mnist", SYNTH).optim
     assert summary["test_accuracy"] == saved["test_accuracy"]
 

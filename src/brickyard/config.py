@@ -123,6 +123,7 @@ class TrainConfig:
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
     threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+    tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
     tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
     plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
     histograms_every: int = _opt(0, min=0, doc="steps between weight/gradient histograms (0 = off)")

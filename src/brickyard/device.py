@@ -73,6 +73,29 @@ def set_threads(requested: int, local_world_size: int) -> int:
     return n
 
 
+# mallopt(3) parameters of glibc
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def tune_allocator() -> bool:
+    """Keep freed host memory for reuse instead of handing it back to the kernel.
+
+    glibc serves large blocks (a batch of activations) with mmap and returns them on free, so every
+    training step page-faults and zeroes them again: measured here as most of the system time and a
+    1.2-1.4x slower CPU step. Raising the mmap and trim thresholds and padding the heap keeps them;
+    the cost is that the process's resident memory stays at its peak. Linux with glibc only."""
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(libc.mallopt(k, v) == 1 for k, v in (
+            (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+        return False
+
+
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"

@@ -156,6 +156,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
 
     device = dev.resolve_device(t.device, info.local_rank)
     threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
+    allocator = "glibc heap kept" if device.type == "cpu" and t.tune_allocator and dev.tune_allocator() else "default"
     precision = dev.resolve_precision(t.precision, device)
     channels_last = dev.resolve_channels_last(t.channels_last, precision, device)
     if device.type == "cuda":
@@ -172,7 +173,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
         dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
         heartbeat = dist.Heartbeat(info)
         return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, device, precision,
-                      channels_last, threads, log, metrics, wall_start)
+                      channels_last, threads, allocator, log, metrics, wall_start)
     except BrickyardError as e:
         log.error(str(e))
         raise
@@ -199,7 +200,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
 
 
 def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precision, channels_last,
-           threads, log: Logger, metrics: MetricsWriter, wall_start):
+           threads, allocator, log: Logger, metrics: MetricsWriter, wall_start):
     t, c = cfg.train, cfg.checkpoint
     torch.manual_seed(t.seed)
     if t.deterministic:
@@ -281,9 +282,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
         write_json(run_dir / "env.json", env_record(device, t.seed, info.world_size, {
-            "precision": precision, "channels_last": channels_last, "threads": threads,
+            "precision": precision, "channels_last": channels_last, "threads": threads, "allocator": allocator,
             "model": model_meta, "restart_count": info.restart_count}))
-    _announce(log, cfg, raw_model, model_meta, data, device, precision, channels_last, threads, info, data_world,
+    _announce(log, cfg, raw_model, model_meta, data, device, precision, channels_last, threads, allocator, info, data_world,
               per_epoch, total_steps, peak, groups)
     metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
     tb = TBWriter(run_dir if info.is_main else None, t.tensorboard, log.warning)
@@ -516,13 +517,13 @@ def _restore(state: dict, path: Path, model: nn.Module, optimizer, scaler, devic
     return int(state["step"])
 
 
-def _announce(log, cfg, model, model_meta, data, device, precision, channels_last, threads, info, data_world,
+def _announce(log, cfg, model, model_meta, data, device, precision, channels_last, threads, allocator, info, data_world,
               per_epoch, total_steps, peak, groups) -> None:
     """The start-of-run lines: hardware and settings, model and data, batch and schedule, groups."""
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
-             f"{threads} threads, world size {info.world_size}, pid {os.getpid()}")
+             f"{threads} threads, allocator {allocator}, world size {info.world_size}, pid {os.getpid()}")
     log.info(f"model {model_meta.get('name', type(model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
