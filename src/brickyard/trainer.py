@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,6 +127,115 @@ class _Totals:
     def read(self) -> list[float]:
         both = torch.stack([self.loss, self.correct, torch.tensor(float(self.count), dtype=torch.float64, device=self.loss.device)])
         return dist.all_reduce_sum(both, self.group).tolist()
+
+
+class _Progress:
+    """The log windows: throughput, time spent waiting for data, and the training loss and accuracy
+    read back from the device on log steps only; validation lines with the train/val fit hint."""
+
+    def __init__(self, totals: _Totals, data_world: int, per_epoch: int, log: Logger, metrics: MetricsWriter, tb, bar, plain: bool):
+        self.totals, self.data_world, self.per_epoch = totals, data_world, per_epoch
+        self.logger, self.metrics, self.tb, self.bar, self.plain = log, metrics, tb, bar, plain
+        self.at_log, self.at_eval = [0.0, 0.0, 0], [0.0, 0.0, 0]  # rank-summed totals at the last log line / evaluation
+        self.train_seconds, self.images = 0.0, 0
+        self.start_window()
+
+    def start_window(self) -> None:
+        self.window_start, self.window_count, self.data_wait = time.perf_counter(), self.totals.count, 0.0
+
+    def end_window(self) -> float:
+        """Close the window (at a log step or the end of an epoch); return its length in seconds."""
+        now = time.perf_counter()
+        elapsed = now - self.window_start
+        self.train_seconds += elapsed
+        self.images += (self.totals.count - self.window_count) * self.data_world
+        self.window_start, self.window_count = now, self.totals.count
+        return elapsed
+
+    def log(self, step: int, epoch: int, lr: float, extra: str = "") -> None:
+        now = self.totals.read()  # the sync point
+        loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
+        self.at_log[:] = now
+        n = (self.totals.count - self.window_count) * self.data_world
+        wait, elapsed = self.data_wait, self.end_window()
+        self.data_wait = 0.0
+        ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
+        loss, acc = loss_sum / max(count, 1), correct / max(count, 1)
+        line = (f"epoch {epoch} step {step - epoch * self.per_epoch}/{self.per_epoch} loss {loss:.4f} "
+                f"acc {acc:.4f} lr {lr:.4f} {ips:,.0f} img/s{extra}")
+        if wait_frac > INPUT_BOUND:
+            line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data (try more data.num_workers)"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f} acc {acc:.4f}")
+        self.logger.info(line, console=self.plain)
+        self.metrics.write(kind="train", step=step, epoch=round(step / self.per_epoch, 4), loss=loss, accuracy=acc, lr=lr,
+                           images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
+        self.tb.scalars(step, "train", {"loss": loss, "accuracy": acc, "lr": lr, "images_per_second": ips})
+
+    def validation(self, step: int, epoch: float, r: dict) -> None:
+        now = self.totals.read()
+        train_acc = (now[1] - self.at_eval[1]) / max(now[2] - self.at_eval[2], 1)
+        self.at_eval[:] = now
+        hint = fit_hint(train_acc, r["accuracy"])
+        self.logger.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}; "
+                         f"train acc {train_acc:.4f}; {hint}")
+        self.metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                           train_accuracy=train_acc, hint=hint)
+        self.tb.scalars(step, "val", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What the end of a run needs to know about the job and this process's place in it."""
+    cfg: Config
+    info: dist.DistInfo
+    data: DataBundle
+    run_dir: Path
+    device: torch.device
+    precision: str
+    channels_last: bool
+    data_world: int
+    group: object
+    model_meta: dict
+
+
+def _finish(job: _Job, model: nn.Module, prep: DevicePrep, log: Logger, metrics: MetricsWriter, tb, step: int,
+            per_epoch: int, last_val: dict | None, progress: _Progress, wall_start: float) -> dict:
+    """Test evaluation, the summary (``summary.json``) and the plots; returns the summary."""
+    cfg, info, data, run_dir = job.cfg, job.info, job.data, job.run_dir
+    summary = {"epochs": round(step / per_epoch, 4), "steps": step, "val_accuracy": None, "val_loss": None,
+               "test_accuracy": None, "test_loss": None}
+    if last_val is not None:
+        summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
+    if data.test is not None:
+        r = evaluate(model, data.test, prep, job.device, job.precision, cfg.data.eval_batch_size, data.num_classes,
+                     job.data_world, info.rank, job.group, keep_errors=36 if info.is_main and cfg.train.plots else 0,
+                     num_workers=cfg.data.num_workers)
+        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
+        metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                      per_class_accuracy=r["per_class_accuracy"], confusion=r["confusion"])
+        tb.scalars(step, "test", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
+        log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}")
+        if info.is_main and "errors" in r:
+            wrong_images, true, pred = r["errors"]
+            torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
+                        "mean": list(data.mean), "std": list(data.std)}, run_dir / "test_errors.pt")
+    summary.update(
+        train_seconds=round(progress.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
+        images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(job.device),
+        world_size=info.world_size, mode=cfg.dist.mode, trainers=job.data_world, precision=job.precision,
+        channels_last=job.channels_last, model=job.model_meta.get("name"), data=data.name, run_dir=str(run_dir),
+    )
+    tb.close()
+    if info.is_main:
+        write_json(run_dir / "summary.json", summary)
+        if cfg.train.plots:
+            from brickyard.plots import plot_runs
+            try:
+                plot_runs([run_dir])
+            except BrickyardError as e:
+                log.warning(f"no plots: {e}")
+    return summary
 
 
 def _is_comm_failure(e: RuntimeError) -> bool:
@@ -311,15 +421,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
             return None
         r = evaluate(fwd_model, data.val, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
                      data_world, info.rank, group, num_workers=cfg.data.num_workers)
-        now = totals.read()
-        train_acc = (now[1] - at_eval[1]) / max(now[2] - at_eval[2], 1)
-        at_eval[:] = now
-        hint = fit_hint(train_acc, r["accuracy"])
-        log.info(f"epoch {epoch:g} step {step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}; "
-                 f"train acc {train_acc:.4f}; {hint}")
-        metrics.write(kind="val", step=step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
-                      train_accuracy=train_acc, hint=hint)
-        tb.scalars(step, "val", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
+        progress.validation(step, epoch, r)
         return r
 
     # On a CPU reading the loss is not a device sync, so every step is checked before the update and
@@ -347,15 +449,14 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
     totals = _Totals(device, group)
-    at_log, at_eval = [0.0, 0.0, 0], [0.0, 0.0, 0]  # rank-summed totals at the last log line and evaluation
-    train_seconds, images = 0.0, 0
+    progress = _Progress(totals, data_world, per_epoch, log, metrics, tb, bar, plain)
     last_val = None
     model.train()
     with _StopFlag() as stop:
         while step < total_steps:
             epoch, pos = divmod(step, per_epoch)
             batches = loader.epoch(epoch, pos * t.grad_accum)
-            window_start, window_images, data_wait = time.perf_counter(), 0, 0.0
+            progress.start_window()
             for _ in range(pos, per_epoch):
                 watching = watcher is not None and step % t.watch_every == 0
                 if watching:
@@ -363,7 +464,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 for micro in range(t.grad_accum):
                     wait_start = time.perf_counter()
                     x, y, n_global, offset = next(batches)
-                    data_wait += time.perf_counter() - wait_start
+                    progress.data_wait += time.perf_counter() - wait_start
                     x = prep(x, step * t.grad_accum + micro, n_global, offset)
                     sync = model.no_sync() if model is not raw_model and micro < t.grad_accum - 1 else contextlib.nullcontext()
                     with sync:
@@ -379,7 +480,6 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                             loss = loss + cfg.optim.l1 / t.grad_accum * l1_penalty(groups)
                         scaler.scale(loss).backward()
                     totals.add(loss_sum, out, y)
-                    window_images += len(y)
                 if watching:
                     found = watcher.collect()
                     metrics.write(kind="watch", step=step, layers=found)
@@ -412,38 +512,15 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                 if bar is not None:
                     bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
-                    # sync point: the only host read-back of the training loss
-                    guard(step, x, y)
-                    now_totals = totals.read()
-                    loss_sum_v, correct, count = (a - b for a, b in zip(now_totals, at_log))
-                    at_log[:] = now_totals
-                    now = time.perf_counter()
-                    elapsed = now - window_start
-                    train_seconds += elapsed
-                    images += window_images * data_world
-                    ips = window_images * data_world / max(elapsed, 1e-9)
-                    wait_frac = data_wait / max(elapsed, 1e-9)
-                    window_start, window_images, data_wait = now, 0, 0.0
-                    loss_v, acc_v = loss_sum_v / max(count, 1), correct / max(count, 1)
-                    line = (f"epoch {epoch} step {step - epoch * per_epoch}/{per_epoch} loss {loss_v:.4f} "
-                            f"acc {acc_v:.4f} lr {lr:.4f} {ips:,.0f} img/s")
-                    if booster is not None:
-                        line += f", subspace steps accepted {booster.accepted}/{booster.steps}"
-                    if wait_frac > INPUT_BOUND:
-                        line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data (try more data.num_workers)"
-                    if bar is not None:
-                        bar.set_postfix_str(f"loss {loss_v:.4f} acc {acc_v:.4f}")
-                    log.info(line, console=plain)
-                    metrics.write(kind="train", step=step, epoch=round(step / per_epoch, 4), loss=loss_v,
-                                  accuracy=acc_v, lr=lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
-                    tb.scalars(step, "train", {"loss": loss_v, "accuracy": acc_v, "lr": lr, "images_per_second": ips})
+                    guard(step, x, y)  # the loss read-back below is this loop's only host sync
+                    extra = f", subspace steps accepted {booster.accepted}/{booster.steps}" if booster is not None else ""
+                    progress.log(step, epoch, lr, extra)
                 if c.every_steps and step % c.every_steps == 0:
                     guard(step, x, y)
                     save(step)
                 if stop.signum is not None or step >= total_steps:
                     break
-            train_seconds += time.perf_counter() - window_start
-            images += window_images * data_world
+            progress.end_window()
             if stop.signum is not None:
                 guard(step, x, y)
                 path = save(step)
@@ -466,38 +543,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if client is not None:
         client.finish()
 
-    summary = {"epochs": round(step / per_epoch, 4), "steps": step, "val_accuracy": None, "val_loss": None,
-               "test_accuracy": None, "test_loss": None}
-    if last_val is not None:
-        summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
-    if data.test is not None:
-        r = evaluate(fwd_model, data.test, prep, device, precision, cfg.data.eval_batch_size, data.num_classes,
-                     data_world, info.rank, group, keep_errors=36 if info.is_main and t.plots else 0,
-                     num_workers=cfg.data.num_workers)
-        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
-        metrics.write(kind="test", step=step, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
-                      per_class_accuracy=r["per_class_accuracy"], confusion=r["confusion"])
-        tb.scalars(step, "test", {"loss": r["loss"], "accuracy": r["accuracy"], "top5": r["top5"]})
-        log.info(f"test loss {r['loss']:.4f} acc {r['accuracy']:.4f} top5 {r['top5']:.4f}")
-        if info.is_main and "errors" in r:
-            wrong_images, true, pred = r["errors"]
-            torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
-                        "mean": list(data.mean), "std": list(data.std)}, run_dir / "test_errors.pt")
-    summary.update(
-        train_seconds=round(train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
-        images_per_second=round(images / max(train_seconds, 1e-9), 1), device=str(device),
-        world_size=info.world_size, mode=cfg.dist.mode, trainers=data_world, precision=precision, channels_last=channels_last,
-        model=model_meta.get("name"), data=data.name, run_dir=str(run_dir),
-    )
-    tb.close()
-    if info.is_main:
-        write_json(run_dir / "summary.json", summary)
-        if t.plots:
-            from brickyard.plots import plot_runs
-            try:
-                plot_runs([run_dir])
-            except BrickyardError as e:
-                log.warning(f"no plots: {e}")
+    job = _Job(cfg, info, data, run_dir, device, precision, channels_last, data_world, group, model_meta)
+    summary = _finish(job, fwd_model, prep, log, metrics, tb, step, per_epoch, last_val, progress, wall_start)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
