@@ -71,7 +71,8 @@ def test_inspect_prints_a_row_per_layer(trained):
     r = run_cli("inspect", "mnist", "--batch", "8", *sets("data.name=synthetic"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 2 + 8 and lines[2].split()[:3] == ["conv1", "Conv2d", "8x20x28x28"]
+    assert len(lines) == 2 + 10 and lines[2].split()[:3] == ["conv1", "Conv2d", "8x16x14x14"]  # mnist_fast, stride-2 stem
+    assert [line.split()[0] for line in lines[2:]] == ["conv1", "relu1", "conv2", "pool2", "relu2", "conv3", "pool3", "relu3", "flatten", "fc"]
     j = json.loads(run_cli("inspect", str(trained / "checkpoints" / "best.pt"), "--json").stdout)
     assert [r["name"] for r in j] == ["conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc"]
     assert j[0]["grad_norm"] > 0 and j[0]["params"] == 520 and j[-1]["output_shape"] == [32, 10]
