@@ -229,12 +229,15 @@ def _finish(job: _Job, model: nn.Module, prep: DevicePrep, log: Logger, metrics:
     tb.close()
     if info.is_main:
         write_json(run_dir / "summary.json", summary)
-        if cfg.train.plots:
+        if cfg.train.plots:  # after summary.json is safely written; their time is added to it
             from brickyard.plots import plot_runs
+            start = time.perf_counter()
             try:
                 plot_runs([run_dir])
             except BrickyardError as e:
                 log.warning(f"no plots: {e}")
+            summary["plot_seconds"] = round(time.perf_counter() - start, 3)
+            write_json(run_dir / "summary.json", summary)
     return summary
 
 
