@@ -1,3 +1,3 @@
-from brickyard.cli import main
+from brickyard.cli import run
 
-raise SystemExit(main())
+run()

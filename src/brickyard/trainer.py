@@ -543,6 +543,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
                     save(step, last_val["accuracy"] if last_val and evaluate_now else None)
     if bar is not None:
         bar.close()
+    loader.close()  # the streaming loader's persistent workers
     if client is not None:
         client.finish()
 
