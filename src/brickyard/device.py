@@ -82,7 +82,7 @@ def tune_allocator() -> bool:
 
     glibc serves large blocks (a batch of activations) with mmap and returns them on free, so every
     training step page-faults and zeroes them again: measured here as most of the system time and a
-    1.2-1.4x slower CPU step. Raising the mmap and trim thresholds and padding the heap keeps them;
+    1.1-1.4x slower CPU step. Raising the mmap and trim thresholds and padding the heap keeps them;
     the cost is that the process's resident memory stays at its peak. Linux with glibc only."""
     import ctypes
     import sys
