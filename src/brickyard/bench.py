@@ -53,12 +53,8 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
 
     info = dist.from_env()
     t = cfg.train
-    device = dev.resolve_device(t.device, info.local_rank)
-    threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
-    if device.type == "cpu" and t.tune_allocator:
-        dev.tune_allocator()
-    precision = dev.resolve_precision(t.precision, device)
-    channels_last = dev.resolve_channels_last(t.channels_last, precision, device)
+    host = dev.setup(t, info.local_rank, info.local_world_size)
+    device, threads, precision, channels_last = host.device, host.threads, host.precision, host.channels_last
     dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
     try:
         data = build_data(cfg.data)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -85,7 +87,6 @@ def tune_allocator() -> bool:
     1.1-1.4x slower CPU step. Raising the mmap and trim thresholds and padding the heap keeps them;
     the cost is that the process's resident memory stays at its peak. Linux with glibc only."""
     import ctypes
-    import sys
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -94,6 +95,27 @@ def tune_allocator() -> bool:
             (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
         return False
+
+
+@dataclass(frozen=True)
+class Host:
+    """This process's device and the speed settings chosen for it (the first log line, ``env.json``)."""
+    device: torch.device
+    threads: int
+    allocator: str
+    precision: str
+    channels_last: bool
+
+
+def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
+    """Resolve ``train.device``/``precision``/``channels_last`` and set this process's CPU threads and
+    allocator; ``t`` is the config's ``train`` section."""
+    device = resolve_device(t.device, local_rank)
+    cpu = device.type == "cpu"
+    threads = set_threads(t.threads, local_world_size) if cpu else torch.get_num_threads()
+    allocator = "glibc heap kept" if cpu and t.tune_allocator and tune_allocator() else "default"
+    precision = resolve_precision(t.precision, device)
+    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device))
 
 
 def describe(device: torch.device) -> str:

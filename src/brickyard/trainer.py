@@ -143,21 +143,20 @@ class _Progress:
     def start_window(self) -> None:
         self.window_start, self.window_count, self.data_wait = time.perf_counter(), self.totals.count, 0.0
 
-    def end_window(self) -> float:
-        """Close the window (at a log step or the end of an epoch); return its length in seconds."""
+    def end_window(self) -> tuple[float, int]:
+        """Close the window (at a log step or the end of an epoch); return its seconds and images (all ranks)."""
         now = time.perf_counter()
-        elapsed = now - self.window_start
+        elapsed, n = now - self.window_start, (self.totals.count - self.window_count) * self.data_world
         self.train_seconds += elapsed
-        self.images += (self.totals.count - self.window_count) * self.data_world
+        self.images += n
         self.window_start, self.window_count = now, self.totals.count
-        return elapsed
+        return elapsed, n
 
     def log(self, step: int, epoch: int, lr: float, extra: str = "") -> None:
         now = self.totals.read()  # the sync point
         loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
         self.at_log[:] = now
-        n = (self.totals.count - self.window_count) * self.data_world
-        wait, elapsed = self.data_wait, self.end_window()
+        wait, (elapsed, n) = self.data_wait, self.end_window()
         self.data_wait = 0.0
         ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
         loss, acc = loss_sum / max(count, 1), correct / max(count, 1)
@@ -267,11 +266,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     run_dir = Path(run_dir)
     t = cfg.train
 
-    device = dev.resolve_device(t.device, info.local_rank)
-    threads = dev.set_threads(t.threads, info.local_world_size) if device.type == "cpu" else torch.get_num_threads()
-    allocator = "glibc heap kept" if device.type == "cpu" and t.tune_allocator and dev.tune_allocator() else "default"
-    precision = dev.resolve_precision(t.precision, device)
-    channels_last = dev.resolve_channels_last(t.channels_last, precision, device)
+    host = dev.setup(t, info.local_rank, info.local_world_size)
+    device = host.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -285,8 +281,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     try:
         dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
         heartbeat = dist.Heartbeat(info)
-        return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, device, precision,
-                      channels_last, threads, allocator, log, metrics, wall_start)
+        return _train(cfg, model, data, run_dir, resume, model_meta or {}, info, host, log, metrics, wall_start)
     except BrickyardError as e:
         log.error(str(e))
         raise
@@ -312,9 +307,10 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
         dist.shutdown()
 
 
-def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precision, channels_last,
-           threads, allocator, log: Logger, metrics: MetricsWriter, wall_start):
+def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, log: Logger, metrics: MetricsWriter,
+           wall_start):
     t, c = cfg.train, cfg.checkpoint
+    device, precision, channels_last = host.device, host.precision, host.channels_last
     torch.manual_seed(t.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -395,9 +391,9 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, device, precisio
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
         write_json(run_dir / "env.json", env_record(device, t.seed, info.world_size, {
-            "precision": precision, "channels_last": channels_last, "threads": threads, "allocator": allocator,
+            "precision": precision, "channels_last": channels_last, "threads": host.threads, "allocator": host.allocator,
             "model": model_meta, "restart_count": info.restart_count}))
-    _announce(log, cfg, raw_model, model_meta, data, device, precision, channels_last, threads, allocator, info, data_world,
+    _announce(log, cfg, raw_model, model_meta, data, host, info, data_world,
               per_epoch, total_steps, peak, groups)
     metrics.write(kind="start", step=step, world_size=info.world_size, total_steps=total_steps)
     tb = TBWriter(run_dir if info.is_main else None, t.tensorboard, log.warning)
@@ -568,13 +564,13 @@ def _restore(state: dict, path: Path, model: nn.Module, optimizer, scaler, devic
     return int(state["step"])
 
 
-def _announce(log, cfg, model, model_meta, data, device, precision, channels_last, threads, allocator, info, data_world,
+def _announce(log, cfg, model, model_meta, data, host: dev.Host, info, data_world,
               per_epoch, total_steps, peak, groups) -> None:
     """The start-of-run lines: hardware and settings, model and data, batch and schedule, groups."""
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"device {dev.describe(device)}, precision {precision}, channels_last {channels_last}, "
-             f"{threads} threads, allocator {allocator}, world size {info.world_size}, pid {os.getpid()}")
+    log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {host.channels_last}, "
+             f"{host.threads} threads, allocator {host.allocator}, world size {info.world_size}, pid {os.getpid()}")
     log.info(f"model {model_meta.get('name', type(model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
