@@ -1,12 +1,17 @@
 """Target 2 of the performance issue: `brickyard train` (default preset) from process start to the
 printed result — import time, data loading, training, evaluation, plots, all counted.
 
-    python benchmarks/time_to_accuracy.py [--runs 3] [-- extra brickyard train arguments]
+Each run is interleaved with `benchmarks/plain_reference.py`, a tuned plain PyTorch script of the
+same recipe (no validation, checkpoints, logs or plots), timed the same way, so the figures say
+both what the machine allows and what brickyard adds.
+
+    python benchmarks/time_to_accuracy.py [--runs 3] [--no-plain] [-- extra brickyard train arguments]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -14,20 +19,28 @@ import tempfile
 import time
 from pathlib import Path
 
+PLAIN = Path(__file__).with_name("plain_reference.py")
+
+
+def timed(cmd):
+    start = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if r.returncode != 0:
+        sys.exit(r.stderr)
+    return wall, r.stdout
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--no-plain", action="store_true", help="skip the plain PyTorch reference")
     p.add_argument("extra", nargs="*", help="extra arguments for brickyard train")
     a = p.parse_args(argv)
-    walls, accs, trains = [], [], []
+    walls, accs, trains, plain_walls, plain_accs = [], [], [], [], []
     for i in range(a.runs):
         with tempfile.TemporaryDirectory() as d:
-            start = time.perf_counter()
-            r = subprocess.run([sys.executable, "-m", "brickyard", "train", "--run-dir", d, *a.extra], capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if r.returncode != 0:
-                sys.exit(r.stderr)
+            wall, _ = timed([sys.executable, "-m", "brickyard", "train", "--run-dir", d, *a.extra])
             s = json.loads((Path(d) / "summary.json").read_text())
         walls.append(wall)
         accs.append(s["test_accuracy"])
@@ -38,8 +51,17 @@ def main(argv=None):
         print(f"run {i}: test accuracy {s['test_accuracy']:.4f}, whole command {wall:.1f} s = start-up and exit {start_up:.1f} s "
               f"+ training loop {s['train_seconds']:.1f} s + set-up/evaluation/checkpoints {rest:.1f} s + plots {plots:.1f} s; "
               f"{s['images_per_second']:,.0f} img/s on {s['device']} ({s['precision']})", flush=True)
+        if not a.no_plain:
+            wall, out = timed([sys.executable, str(PLAIN)])
+            plain_walls.append(wall)
+            plain_accs.append(float(re.search(r"test accuracy ([0-9.]+)", out).group(1)))
+            print(f"       plain PyTorch reference: whole command {wall:.1f} s; {out.strip()}", flush=True)
     print(f"median: whole command {statistics.median(walls):.1f} s (training {statistics.median(trains):.1f} s), "
           f"test accuracy min {min(accs):.4f} (target: >= 0.990 within 10 s on the 2-core CPU)")
+    if plain_walls:
+        print(f"plain PyTorch reference, same recipe: median whole command {statistics.median(plain_walls):.1f} s, "
+              f"test accuracy min {min(plain_accs):.4f}; brickyard / plain = "
+              f"{statistics.median(walls) / statistics.median(plain_walls):.2f}")
 
 
 if __name__ == "__main__":
