@@ -56,9 +56,12 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    home = Path(os.environ.get("BRICKYARD_CACHE", Path.home() / ".cache" / "brickyard"))  # where brickyard downloads
     data = os.environ.get("BRICKYARD_DATA")
-    root = Path(data) / "mnist" if data else Path.home() / ".cache" / "brickyard" / "mnist"
-    cache = Path(os.environ.get("BRICKYARD_CACHE", Path.home() / ".cache" / "brickyard")) / "plain-reference"
+    root = Path(data) / "mnist" if data and (Path(data) / "mnist").is_dir() else home / "mnist"
+    if not all((root / f).is_file() for names in FILES.values() for f in names):
+        raise SystemExit(f"error: no MNIST files in {root}; run `brickyard data fetch mnist` first.")
+    cache = home / "plain-reference"
     device = torch.device(a.device)
     if a.precision == "auto":
         native = torch.cuda.is_bf16_supported() if device.type == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()

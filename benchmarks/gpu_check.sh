@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Every GPU path of brickyard in one go, for a machine with CUDA (and the figures the performance
+# issue asks for on a GPU). Prints everything and keeps a copy in OUT/gpu_check.log.
+#
+#   bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to runs/gpu-check
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_EPOCHS=0.1 GPU_CHECK_ROUNDS=2 GPU_CHECK_RUNS=1 bash benchmarks/gpu_check.sh /tmp/x
+#                                               # a short dry run of the same steps on CPU
+#
+# Runs from a checkout without installing (PYTHONPATH=src); MNIST comes from $BRICKYARD_DATA or is
+# downloaded. Steps: 1 epoch at fp32, bf16 and fp16 (GradScaler) on one GPU; torchrun + NCCL with
+# one process per GPU (2 when there are 2); `brickyard bench` scaling; `brickyard memory` estimate
+# vs the measured peak; targets 1 and 2 (overhead ratio, time to 99%).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+EPOCHS=${GPU_CHECK_EPOCHS:-1}
+ROUNDS=${GPU_CHECK_ROUNDS:-10}   # overhead rounds
+TTA_RUNS=${GPU_CHECK_RUNS:-3}    # time-to-accuracy runs
+RUNS=$(mktemp -d)
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+
+failed=0
+step() {  # step NAME COMMAND...: run, time, and report; a failure is counted, not fatal
+    local name=$1; shift
+    echo; echo "=== $name: $*"
+    local start=$SECONDS
+    if "$@"; then echo "=== $name: ok ($((SECONDS - start)) s)"; else echo "=== $name: FAILED rc=$? ($((SECONDS - start)) s)"; failed=$((failed + 1)); fi
+}
+result() { $PY -c "import json,sys; s=json.load(open(sys.argv[1])); print('  ->', {k: s.get(k) for k in ('test_accuracy', 'images_per_second', 'train_seconds', 'precision', 'world_size', 'device')})" "$1/summary.json"; }
+
+$PY - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, bf16 {torch.cuda.is_bf16_supported()}")
+EOF
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$DEVICE" = cpu ]; then ONE=cpu; TWO=cpu:2; PRECISIONS="fp32"; NGPU=2
+else ONE=0; TWO=0,1; PRECISIONS="fp32 bf16 fp16"; fi
+
+for p in $PRECISIONS; do
+    step "train $p" $PY -m brickyard train --device "$DEVICE" --run-dir "$RUNS/$p" --set train.precision=$p --set train.epochs=$EPOCHS --set train.progress=none
+    [ -f "$RUNS/$p/summary.json" ] && result "$RUNS/$p"
+done
+step "torchrun, 1 process ($ONE)" $PY -m brickyard train --devices $ONE --run-dir "$RUNS/ddp1" --set train.epochs=$EPOCHS
+[ -f "$RUNS/ddp1/summary.json" ] && result "$RUNS/ddp1" && tail -n 3 "$RUNS/ddp1/logs/workerlog.0"
+if [ "$NGPU" -ge 2 ]; then
+    step "torchrun, 2 processes ($TWO)" $PY -m brickyard train --devices $TWO --run-dir "$RUNS/ddp2" --set train.epochs=$EPOCHS
+    [ -f "$RUNS/ddp2/summary.json" ] && result "$RUNS/ddp2"
+    step "bench scaling" $PY -m brickyard bench mnist --devices $ONE $TWO --out "$OUT/bench"
+else
+    echo "(one GPU: no 2-process NCCL run)"
+    step "bench" $PY -m brickyard bench mnist --devices $ONE --out "$OUT/bench"
+fi
+step "memory mnist" $PY -m brickyard memory mnist --devices $ONE
+step "memory resnet18 (synthetic data)" $PY -m brickyard memory fashion-resnet18 --devices $ONE --set data.name=synthetic
+step "target 1: overhead" $PY benchmarks/overhead.py --device "$DEVICE" --rounds "$ROUNDS"
+step "target 2: time to accuracy" $PY benchmarks/time_to_accuracy.py --runs "$TTA_RUNS" -- --device "$DEVICE"
+rm -rf "$RUNS"
+echo; echo "gpu_check: $failed step(s) failed; log in $OUT/gpu_check.log"
+exit $((failed > 0))
