@@ -1,5 +1,6 @@
 """Metrics, TensorBoard, plots, inspection, watching, the NaN guard, parameter groups, predict."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -107,6 +108,31 @@ def test_nan_guard_names_the_layer_and_keeps_the_last_good_checkpoint(tmp_path):
     files = checkpoint.step_checkpoints(tmp_path / "r" / "checkpoints")
     assert files[-1].name == "step-0000008.pt"
     assert all(torch.isfinite(v).all() for v in checkpoint.load(files[-1])["model"].values())
+
+
+class GpuOnlyOp(nn.Module):
+    """Raises what PyTorch raises for an op without a deterministic kernel (none exists on CPUs)."""
+    def forward(self, x):
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError("adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you "
+                               "set 'torch.use_deterministic_algorithms(True)'. You can turn off determinism ...")
+        return x
+
+
+def test_deterministic_without_a_deterministic_kernel_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    x, y = torch.randn(64, 1, 4, 4), torch.randint(0, 2, (64,))
+    model = nn.Sequential(nn.Flatten(), GpuOnlyOp(), nn.Linear(16, 2))
+    cfg = {"train": {"epochs": 1, "device": "cpu", "progress": "none", "deterministic": True}, "data": {"batch_size": 32}}
+    try:
+        with pytest.raises(BrickyardError) as e:
+            api.fit(model, (x, y), config=cfg, run_dir=tmp_path / "r")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert str(e.value) == ("train.deterministic: adaptive_avg_pool2d_backward_cuda has no deterministic implementation "
+                            "on cpu; set train.deterministic=false or use a model without that layer.")
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"  # set before any cuBLAS handle exists
+    assert "no deterministic implementation" in (tmp_path / "r" / "train.log").read_text()
 
 
 def test_param_groups_rules():

@@ -290,6 +290,12 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     except RuntimeError as e:
         if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
             raise _oom_error(cfg, model, data, device, info) from None
+        if "does not have a deterministic implementation" in str(e):
+            op = str(e).split(" does not have", 1)[0].strip().split()[-1]
+            msg = (f"train.deterministic: {op} has no deterministic implementation on {device}; "
+                   f"set train.deterministic=false or use a model without that layer.")
+            log.error(msg)
+            raise BrickyardError(msg) from None
         if not info.distributed or not _is_comm_failure(e):
             raise
         silent = heartbeat.silent_ranks() if heartbeat else []
@@ -313,6 +319,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
     device, precision, channels_last = host.device, host.precision, host.channels_last
     torch.manual_seed(t.seed)
     if t.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it when its first handle is made
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
