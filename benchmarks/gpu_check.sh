@@ -8,7 +8,7 @@
 #
 # Runs from a checkout without installing (PYTHONPATH=src); MNIST comes from $BRICKYARD_DATA or is
 # downloaded. Steps: 1 epoch at fp32, bf16 and fp16 (GradScaler) on one GPU; torchrun + NCCL with
-# one process per GPU (2 when there are 2); `brickyard bench` scaling; `brickyard memory` estimate
+# one process per GPU (2 when there are 2; the parameter server on 3); `brickyard bench` scaling; `brickyard memory` estimate
 # vs the measured peak; targets 1 and 2 (overhead ratio, time to 99%).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +53,11 @@ if [ "$NGPU" -ge 2 ]; then
     step "torchrun, 2 processes ($TWO)" $PY -m brickyard train --devices $TWO --run-dir "$RUNS/ddp2" --set train.epochs=$EPOCHS
     [ -f "$RUNS/ddp2/summary.json" ] && result "$RUNS/ddp2"
     step "bench scaling" $PY -m brickyard bench mnist --devices $ONE $TWO --out "$OUT/bench"
+    if [ "$NGPU" -ge 3 ] || [ "$DEVICE" = cpu ]; then
+        THREE=$([ "$DEVICE" = cpu ] && echo cpu:3 || echo 0,1,2)
+        step "parameter server, 2 trainers + 1 server ($THREE)" $PY -m brickyard train --devices $THREE --run-dir "$RUNS/ps" --set train.epochs=$EPOCHS --set dist.mode=ps
+        [ -f "$RUNS/ps/summary.json" ] && result "$RUNS/ps"
+    fi
 else
     echo "(one GPU: no 2-process NCCL run)"
     step "bench" $PY -m brickyard bench mnist --devices $ONE --out "$OUT/bench"

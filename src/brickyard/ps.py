@@ -19,6 +19,10 @@ one vector and split into S contiguous chunks; server i holds chunk i and the op
 
 At the end all ranks take part in one ``broadcast`` of every chunk, so the trainers evaluate and
 save the servers' final parameters.
+
+All of it goes over a gloo group of every rank (``message_group``), on CPU tensors: NCCL can neither
+receive from any source nor carry CPU tensors, and a parameter server is a CPU job. On GPUs the
+trainers copy the flat gradient to the host and the fresh parameters back (one copy each per step).
 """
 from __future__ import annotations
 
@@ -66,33 +70,34 @@ def _bounds(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def message_group():
+    """The gloo group of every rank that carries the parameter-server messages (all ranks call it)."""
+    return tdist.new_group(backend="gloo")
+
+
 class Client:
     """The trainer side: ``step(lr, step)`` replaces ``optimizer.step()``."""
 
-    def __init__(self, params: list[torch.Tensor], layout: Layout, sync: bool):
-        self.params, self.layout, self.sync = params, layout, sync
+    def __init__(self, params: list[torch.Tensor], layout: Layout, sync: bool, group=None):
+        self.params, self.layout, self.sync, self.group = params, layout, sync, group
         self.bounds = _bounds(sum(p.numel() for p in params), layout.servers)
 
     def step(self, lr: float, step: int) -> None:
-        grad = flat_grads(self.params)
-        flat = _flat([p.detach() for p in self.params])
+        grad = flat_grads(self.params).cpu()
+        flat = torch.empty_like(grad)
+        g = self.group
         if self.sync:
             for i, (a, b) in enumerate(self.bounds):
-                part = grad[a:b].contiguous()
-                tdist.reduce(part, dst=self.layout.server_rank(i))
+                tdist.reduce(grad[a:b], dst=self.layout.server_rank(i), group=g)
             for i, (a, b) in enumerate(self.bounds):
-                part = flat[a:b].contiguous()
-                tdist.broadcast(part, src=self.layout.server_rank(i))
-                flat[a:b] = part
+                tdist.broadcast(flat[a:b], src=self.layout.server_rank(i), group=g)
         else:
             header = torch.tensor([0.0, float(step), lr], dtype=torch.float64)
             for i, (a, b) in enumerate(self.bounds):
-                tdist.send(header, self.layout.server_rank(i), tag=_HEADER)
-                tdist.send(grad[a:b].contiguous(), self.layout.server_rank(i), tag=_GRAD)
+                tdist.send(header, self.layout.server_rank(i), group=g, tag=_HEADER)
+                tdist.send(grad[a:b], self.layout.server_rank(i), group=g, tag=_GRAD)
             for i, (a, b) in enumerate(self.bounds):
-                part = torch.empty(b - a, dtype=flat.dtype)
-                tdist.recv(part, self.layout.server_rank(i), tag=_PARAM)
-                flat[a:b] = part
+                tdist.recv(flat[a:b], self.layout.server_rank(i), group=g, tag=_PARAM)
         load_flat(self.params, flat)
 
     def finish(self) -> None:
@@ -100,51 +105,49 @@ class Client:
         if not self.sync:
             done = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
             for i in range(self.layout.servers):
-                tdist.send(done, self.layout.server_rank(i), tag=_HEADER)
-        flat = _flat([p.detach() for p in self.params])
+                tdist.send(done, self.layout.server_rank(i), group=self.group, tag=_HEADER)
+        flat = torch.empty(self.bounds[-1][1], dtype=self.params[0].dtype)
         for i, (a, b) in enumerate(self.bounds):
-            part = flat[a:b].contiguous()
-            tdist.broadcast(part, src=self.layout.server_rank(i))
-            flat[a:b] = part
+            tdist.broadcast(flat[a:b], src=self.layout.server_rank(i), group=self.group)
         load_flat(self.params, flat)
 
 
-def serve(params: list[torch.Tensor], layout: Layout, rank: int, cfg, total_steps: int, schedule, log) -> dict:
+def serve(params: list[torch.Tensor], layout: Layout, rank: int, cfg, total_steps: int, schedule, log, group=None) -> dict:
     """The server side: hold chunk ``rank - T``, apply pushes until the trainers are done."""
     from brickyard.optim import build_optimizer, set_lr
     index = rank - layout.trainers
     bounds = _bounds(sum(p.numel() for p in params), layout.servers)
     a, b = bounds[index]
-    chunk = _flat([p.detach() for p in params])[a:b].clone().requires_grad_(True)
+    chunk = _flat([p.detach() for p in params])[a:b].cpu().clone().requires_grad_(True)
     optimizer = build_optimizer(cfg.optim, [chunk])
     log.info(f"parameter server {index}: holds {b - a:,} of {bounds[-1][1]:,} parameters "
              f"({'sync' if cfg.dist.ps.sync else 'async, max staleness ' + str(cfg.dist.ps.max_staleness)})")
-    stats = _serve_sync(chunk, optimizer, bounds, index, layout, total_steps, schedule, set_lr) if cfg.dist.ps.sync \
-        else _serve_async(chunk, optimizer, layout, cfg.dist.ps.max_staleness, set_lr)
+    stats = _serve_sync(chunk, optimizer, bounds, index, layout, total_steps, schedule, set_lr, group) if cfg.dist.ps.sync \
+        else _serve_async(chunk, optimizer, layout, cfg.dist.ps.max_staleness, set_lr, group)
     for i, (lo, hi) in enumerate(bounds):  # the final pull
         part = chunk.detach().clone() if i == index else torch.empty(hi - lo)
-        tdist.broadcast(part, src=layout.server_rank(i))
+        tdist.broadcast(part, src=layout.server_rank(i), group=group)
     log.info(f"parameter server {index}: {stats['updates']} updates, largest clock gap {stats['max_gap']} "
              f"(bound {cfg.dist.ps.max_staleness if not cfg.dist.ps.sync else 0})")
     return stats
 
 
-def _serve_sync(chunk, optimizer, bounds, index, layout, total_steps, schedule, set_lr) -> dict:
+def _serve_sync(chunk, optimizer, bounds, index, layout, total_steps, schedule, set_lr, group) -> dict:
     for step in range(total_steps):
         for i, (lo, hi) in enumerate(bounds):
             buf = torch.zeros(hi - lo)
-            tdist.reduce(buf, dst=layout.server_rank(i))
+            tdist.reduce(buf, dst=layout.server_rank(i), group=group)
             if i == index:
                 chunk.grad = buf / layout.trainers
         set_lr(optimizer, schedule(step))
         optimizer.step()
         for i, (lo, hi) in enumerate(bounds):
             part = chunk.detach().clone() if i == index else torch.empty(hi - lo)
-            tdist.broadcast(part, src=layout.server_rank(i))
+            tdist.broadcast(part, src=layout.server_rank(i), group=group)
     return {"updates": total_steps, "max_gap": 0}
 
 
-def _serve_async(chunk, optimizer, layout, max_staleness, set_lr) -> dict:
+def _serve_async(chunk, optimizer, layout, max_staleness, set_lr, group) -> dict:
     clock = {t: 0 for t in range(layout.trainers)}
     done: set[int] = set()
     held: dict[int, tuple[float, torch.Tensor]] = {}
@@ -162,7 +165,7 @@ def _serve_async(chunk, optimizer, layout, max_staleness, set_lr) -> dict:
         optimizer.step()
         clock[t] += 1
         updates += 1
-        tdist.send(chunk.detach().clone(), t, tag=_PARAM)
+        tdist.send(chunk.detach().clone(), t, group=group, tag=_PARAM)
 
     def release() -> None:
         for t in sorted(held, key=lambda t: clock[t]):
@@ -172,13 +175,13 @@ def _serve_async(chunk, optimizer, layout, max_staleness, set_lr) -> dict:
 
     while len(done) < layout.trainers:
         header = torch.empty(3, dtype=torch.float64)
-        src = tdist.recv(header, tag=_HEADER)
+        src = tdist.recv(header, group=group, tag=_HEADER)
         if header[0].item() == 1.0:
             done.add(src)
             release()
             continue
         grad = torch.empty_like(chunk)
-        tdist.recv(grad, src, tag=_GRAD)
+        tdist.recv(grad, src, group=group, tag=_GRAD)
         lr = header[2].item()
         if clock[src] - slowest() <= max_staleness:
             apply(src, lr, grad)

@@ -338,11 +338,13 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
 
     # in parameter-server mode only the trainers read data; the servers hold the parameters
     layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
-    group, data_world = None, info.world_size
+    group, ps_group, data_world = None, None, info.world_size
     if layout is not None:
         if resume:
             raise BrickyardError("--resume is not supported with dist.mode: ps yet; use the collective mode to resume runs.")
-        group = torch.distributed.new_group(list(range(layout.trainers))) if info.distributed else None
+        if info.distributed:
+            group = torch.distributed.new_group(list(range(layout.trainers)))
+            ps_group = ps.message_group()
         data_world = layout.trainers
     plan = BatchPlan(len(data.train), cfg.data.batch_size, data_world, min(info.rank, data_world - 1), t.seed)
     per_epoch = plan.steps_per_epoch // t.grad_accum
@@ -360,7 +362,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
             sched_cfg = dataclasses.replace(sched_cfg, warmup_epochs=cfg.dist.scale_warmup_epochs)
     schedule = Schedule(sched_cfg, peak, total_steps, per_epoch)
     if layout is not None and layout.is_server(info.rank):
-        ps.serve([p.detach() for p in params], layout, info.rank, cfg, total_steps, schedule, log)
+        ps.serve([p.detach() for p in params], layout, info.rank, cfg, total_steps, schedule, log, ps_group)
         dist.barrier()
         return {}
     loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed)
@@ -388,7 +390,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
         log.info(f"dimension-reduction stage 2: {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
         if state is not None and state.get("boost"):
             booster.load_state_dict(state["boost"])
-    client = ps.Client(params, layout, cfg.dist.ps.sync) if layout is not None else None
+    client = ps.Client(params, layout, cfg.dist.ps.sync, ps_group) if layout is not None else None
     if info.distributed and client is None:
         ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
