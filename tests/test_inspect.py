@@ -110,29 +110,50 @@ def test_nan_guard_names_the_layer_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(v).all() for v in checkpoint.load(files[-1])["model"].values())
 
 
-class GpuOnlyOp(nn.Module):
-    """Raises what PyTorch raises for an op without a deterministic kernel (none exists on CPUs)."""
+class Refused(nn.Module):
+    """Raises what PyTorch raises on a GPU under deterministic algorithms (CPUs never refuse)."""
+    def __init__(self, message):
+        super().__init__()
+        self.message = message
+
     def forward(self, x):
         if torch.are_deterministic_algorithms_enabled():
-            raise RuntimeError("adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you "
-                               "set 'torch.use_deterministic_algorithms(True)'. You can turn off determinism ...")
+            raise RuntimeError(self.message)
         return x
 
 
-def test_deterministic_without_a_deterministic_kernel_is_one_sentence(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+@pytest.mark.parametrize("message, sentence", [
+    ("adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you set "
+     "'torch.use_deterministic_algorithms(True)'. You can turn off determinism ...",
+     "train.deterministic: adaptive_avg_pool2d_backward_cuda has no deterministic implementation on cpu; "
+     "set train.deterministic=false or use a model without that layer."),
+    ("Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or ..., but this "
+     "operation is not deterministic because it uses CuBLAS and you have CUDA >= 10.2. To enable deterministic "
+     "behavior in this case, you must set an environment variable before running your PyTorch application: "
+     "CUBLAS_WORKSPACE_CONFIG=:4096:8 or CUBLAS_WORKSPACE_CONFIG=:16:8.",
+     "train.deterministic on cpu needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the process starts "
+     "(`brickyard train` sets it; set it yourself when calling brickyard from Python)."),
+])
+def test_deterministic_refusals_are_one_sentence(message, sentence, tmp_path):
     x, y = torch.randn(64, 1, 4, 4), torch.randint(0, 2, (64,))
-    model = nn.Sequential(nn.Flatten(), GpuOnlyOp(), nn.Linear(16, 2))
+    model = nn.Sequential(nn.Flatten(), Refused(message), nn.Linear(16, 2))
     cfg = {"train": {"epochs": 1, "device": "cpu", "progress": "none", "deterministic": True}, "data": {"batch_size": 32}}
     try:
         with pytest.raises(BrickyardError) as e:
             api.fit(model, (x, y), config=cfg, run_dir=tmp_path / "r")
     finally:
         torch.use_deterministic_algorithms(False)
-    assert str(e.value) == ("train.deterministic: adaptive_avg_pool2d_backward_cuda has no deterministic implementation "
-                            "on cpu; set train.deterministic=false or use a model without that layer.")
-    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"  # set before any cuBLAS handle exists
-    assert "no deterministic implementation" in (tmp_path / "r" / "train.log").read_text()
+    assert str(e.value) == sentence
+    assert sentence in (tmp_path / "r" / "train.log").read_text()
+
+
+def test_the_launcher_sets_the_cublas_workspace_for_deterministic_runs(monkeypatch):
+    from brickyard import launch
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    launch.process_env(load_config("mnist"))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    launch.process_env(load_config("mnist", ["train.deterministic=true"]))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
 def test_param_groups_rules():

@@ -172,8 +172,9 @@ def cmd_train(args) -> int:
     if args.device:
         overrides.append(f"train.device={args.device}")
     cfg = api.resolve_config(args.config or "mnist", overrides)
+    from brickyard import launch
+    launch.process_env(cfg)
     if args.devices or args.nnodes > 1:
-        from brickyard import launch
         return launch.launch(args, cfg)
     run_dir = args.run_dir or str(_default_run_dir(cfg))
     summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)

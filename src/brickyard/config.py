@@ -118,7 +118,7 @@ class TrainConfig:
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
     seed: int = _opt(0, min=0)
-    deterministic: bool = _opt(False)
+    deterministic: bool = _opt(False, doc="deterministic kernels only (CUDA: `brickyard train` sets CUBLAS_WORKSPACE_CONFIG)")
     log_every: int = _opt(100, min=1, doc="steps between loss read-backs")
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))

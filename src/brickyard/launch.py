@@ -117,6 +117,14 @@ def _is_local(host: str) -> bool:
     return addr.startswith("127.") or addr in socket.gethostbyname_ex(socket.gethostname())[2]
 
 
+def process_env(cfg) -> None:
+    """What the training processes need in their environment before torch starts CUDA; torchrun's
+    workers inherit it. Deterministic cuBLAS matmuls need ``CUBLAS_WORKSPACE_CONFIG``, read when the
+    first cuBLAS handle is made."""
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     from brickyard.runlog import default_run_dir

@@ -240,6 +240,19 @@ def _finish(job: _Job, model: nn.Module, prep: DevicePrep, log: Logger, metrics:
     return summary
 
 
+def _determinism_error(e: RuntimeError, device: torch.device) -> str | None:
+    """The sentence for PyTorch's refusals under ``torch.use_deterministic_algorithms(True)``."""
+    text = str(e)
+    if "does not have a deterministic implementation" in text:
+        op = text.split(" does not have", 1)[0].strip().split()[-1]
+        return (f"train.deterministic: {op} has no deterministic implementation on {device}; "
+                f"set train.deterministic=false or use a model without that layer.")
+    if "CUBLAS_WORKSPACE_CONFIG" in text:
+        return (f"train.deterministic on {device} needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the "
+                f"process starts (`brickyard train` sets it; set it yourself when calling brickyard from Python).")
+    return None
+
+
 def _is_comm_failure(e: RuntimeError) -> bool:
     text = str(e).lower()
     return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
@@ -290,10 +303,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     except RuntimeError as e:
         if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
             raise _oom_error(cfg, model, data, device, info) from None
-        if "does not have a deterministic implementation" in str(e):
-            op = str(e).split(" does not have", 1)[0].strip().split()[-1]
-            msg = (f"train.deterministic: {op} has no deterministic implementation on {device}; "
-                   f"set train.deterministic=false or use a model without that layer.")
+        if t.deterministic and _determinism_error(e, device):
+            msg = _determinism_error(e, device)
             log.error(msg)
             raise BrickyardError(msg) from None
         if not info.distributed or not _is_comm_failure(e):
@@ -319,7 +330,6 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
     device, precision, channels_last = host.device, host.precision, host.channels_last
     torch.manual_seed(t.seed)
     if t.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it when its first handle is made
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
