@@ -141,6 +141,19 @@ def test_parameter_server_needs_a_trainer(tmp_path):
     assert r.returncode == 2 and "dist.ps.servers: 2 server(s) leave no trainer among 2 processes" in r.stderr
 
 
+def test_a_node_that_never_joins_is_one_sentence_after_the_timeout(tmp_path):
+    from brickyard.launch import _free_port
+    run = tmp_path / "run"
+    start = time.time()
+    r = run_cli("train", "mnist", *sets(*SYNTH, "dist.timeout_s=5"), "--nnodes", "2", "--node-rank", "0",
+                "--master", f"127.0.0.1:{_free_port()}", "--run-dir", str(run), timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: not all 2 nodes joined the job at 127.0.0.1:")
+    assert "within 5s" in r.stderr and "Traceback" not in r.stderr
+    assert time.time() - start < 60
+    assert not (run / "checkpoints").exists()  # no worker started, nothing half-written
+
+
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
     import subprocess, sys
     run = tmp_path / "run"
