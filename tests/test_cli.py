@@ -46,6 +46,18 @@ def test_help_everywhere():
     assert "examples:" in run_cli("train", "--help").stdout
 
 
+def test_help_presets_and_config_errors_do_not_import_torch():
+    """Importing torch takes seconds; help, presets and a bad --set come back without it."""
+    import subprocess
+    import sys
+    code = ("import sys; from brickyard.cli import main; codes = [main(a) for a in {argv!r}]; "
+            "print(codes, 'torch' in sys.modules)")
+    argv = [["presets"], ["train", "--set", "nope=1"], ["train", "--set", "optim.lr=abc"]]
+    r = subprocess.run([sys.executable, "-c", code.format(argv=argv)], capture_output=True, text=True)
+    assert r.stdout.strip().splitlines()[-1] == "[0, 2, 2] False", r.stdout + r.stderr
+    assert "error: nope: unknown key" in r.stderr and "error: optim.lr: 'abc' is not a number." in r.stderr
+
+
 def test_models_and_presets_lists():
     m = run_cli("models")
     assert m.returncode == 0 and "mnist_cnn" in m.stdout and "20,350 params" in m.stdout

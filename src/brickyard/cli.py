@@ -167,15 +167,16 @@ def main(argv=None) -> int:
 
 
 def cmd_train(args) -> int:
-    from brickyard import api
+    from brickyard import launch
+    from brickyard.config import load_config  # before torch is imported: a bad key or value is an instant error
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"train.device={args.device}")
-    cfg = api.resolve_config(args.config or "mnist", overrides)
-    from brickyard import launch
+    cfg = load_config(args.config or "mnist", overrides)
     launch.process_env(cfg)
     if args.devices or args.nnodes > 1:
         return launch.launch(args, cfg)
+    from brickyard import api
     run_dir = args.run_dir or str(_default_run_dir(cfg))
     summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
     if dist.from_env().is_main:

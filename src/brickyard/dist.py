@@ -11,9 +11,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as tdist
+if TYPE_CHECKING:
+    import torch
+
+# torch.distributed is imported inside the functions that use it: ``from_env`` is all that the CLI
+# needs before a command runs, so `brickyard --help` and argument errors come back without torch.
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ def from_env(env=None) -> DistInfo:
 
 def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> None:
     """Join the process group (a no-op for one process)."""
+    import torch.distributed as tdist
     if not info.distributed or tdist.is_initialized():
         return
     if backend == "auto":
@@ -64,23 +69,27 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
 
 
 def shutdown() -> None:
+    import torch.distributed as tdist
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``t`` over the ranks of ``group`` (default: all) in place; a no-op without a process group."""
+    import torch.distributed as tdist
     if tdist.is_initialized() and tdist.get_world_size(group) > 1:
         tdist.all_reduce(t, group=group)
     return t
 
 
 def barrier() -> None:
+    import torch.distributed as tdist
     if tdist.is_initialized() and tdist.get_world_size() > 1:
         tdist.barrier()
 
 
 def broadcast_object(obj, src: int = 0):
+    import torch.distributed as tdist
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
         return obj
     box = [obj]
@@ -97,6 +106,7 @@ class Heartbeat:
     """
 
     def __init__(self, info: DistInfo, interval: float = 1.0):
+        import torch.distributed as tdist
         import threading
         self.info, self.interval = info, interval
         self.store = None
