@@ -141,6 +141,14 @@ def test_parameter_server_needs_a_trainer(tmp_path):
     assert r.returncode == 2 and "dist.ps.servers: 2 server(s) leave no trainer among 2 processes" in r.stderr
 
 
+@pytest.mark.parametrize("flag", [["--max-restarts", "1"], ["--resume", "auto"]])
+def test_parameter_server_refuses_restarts_before_launching(flag, tmp_path):
+    r = run_cli("train", *sets(*SYNTH, "dist.mode=ps"), "--devices", "cpu:3", *flag, "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --resume and --max-restarts need dist.mode: collective; "
+                                                      "a parameter-server run cannot resume yet.")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_node_that_never_joins_is_one_sentence_after_the_timeout(tmp_path):
     from brickyard.launch import _free_port
     run = tmp_path / "run"

@@ -134,6 +134,9 @@ def launch(args, cfg) -> int:
     if cfg.dist.mode == "ps":
         from brickyard.ps import check_layout
         check_layout(cfg, nproc * args.nnodes)
+        if args.resume or args.max_restarts:  # a restarted group resumes; the servers' optimiser state is not saved
+            raise BrickyardError("--resume and --max-restarts need dist.mode: collective; a parameter-server run "
+                                 "cannot resume yet.")
     if nproc * args.nnodes == 1 and not args.max_restarts:
         from brickyard import api
         from brickyard.cli import _print_result
