@@ -24,6 +24,13 @@ def test_bad_input_is_one_line_and_non_zero(args, expected, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_folder_that_cannot_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("in the way")
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=0.01"), "--run-dir", str(blocker / "run"))
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {blocker / 'run'}: Not a directory.", r.stderr
+
+
 def test_nothing_written_is_lost_by_a_bad_resume(tmp_path):
     run = tmp_path / "run"
     assert run_cli("train", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)).returncode == 0

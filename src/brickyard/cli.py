@@ -164,6 +164,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a run or output folder that cannot be made or written, a full disk
+        if dist.from_env().is_main:
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
+        return 1
 
 
 def cmd_train(args) -> int:
