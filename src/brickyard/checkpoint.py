@@ -12,6 +12,7 @@ import re
 import shutil
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -44,12 +45,17 @@ def load(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist.")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {path} cannot be read: it is not a file written by torch.save "
+                              f"(another format, or cut short).")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+        # torch's weights-only refusal says what it met on a line of its own
+        reason = next((x for x in lines if "Unsupported" in x or "WeightsUnpickler" in x), lines[0])
         raise CheckpointError(f"checkpoint {path} cannot be read ({reason[:160]}).") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
