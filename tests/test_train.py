@@ -110,9 +110,20 @@ def test_checkpoints_cannot_run_code(tmp_path):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "x": Evil()}, path)
-    with pytest.raises(CheckpointError, match="cannot be read"):
+    with pytest.raises(CheckpointError, match=r"cannot be read \(.*[Uu]nsupported (global: )?GLOBAL (posix|os)\.system"):
         checkpoint.load(path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_file_torch_save_did_not_write_is_named(tmp_path):
+    good = tmp_path / "good.pt"
+    checkpoint.save_atomic({"model": {"w": torch.ones(1000)}}, good)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:500])
+    for path in (cut, tmp_path / "digit.png"):
+        path.write_bytes(path.read_bytes() if path.exists() else b"\x89PNG not a checkpoint")
+        with pytest.raises(CheckpointError, match="it is not a file written by torch.save"):
+            checkpoint.load(path)
 
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):

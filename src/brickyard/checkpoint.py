@@ -55,7 +55,7 @@ def load(path: str | Path) -> dict:
     except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
         # torch's weights-only refusal says what it met on a line of its own
-        reason = next((x for x in lines if "Unsupported" in x or "WeightsUnpickler" in x), lines[0])
+        reason = next((x for x in lines if "unsupported" in x.lower()), lines[0])
         raise CheckpointError(f"checkpoint {path} cannot be read ({reason[:160]}).") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
