@@ -96,8 +96,10 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         loader.close()
         a, b = passes["A"], passes["B"]
         med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
-        data_wait, compute, opt_step = med(b, 0), med(a, 1), med(b, 2)
-        sync = max(0.0, med(b, 1) - med(a, 1))
+        data_wait, opt_step = med(b, 0), med(b, 2)
+        # the all-reduce is what pass B (synchronising) spends over pass A (DDP's no_sync); one process has none
+        compute = med(a, 1) if ddp is not model else med(b, 1)
+        sync = max(0.0, med(b, 1) - compute)
         step_time = data_wait + med(b, 1) + opt_step
         windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
         ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for w_ in [w] for r in w_) for w in windows]
