@@ -303,10 +303,10 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     except RuntimeError as e:
         if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
             raise _oom_error(cfg, model, data, device, info) from None
-        if t.deterministic and _determinism_error(e, device):
-            msg = _determinism_error(e, device)
-            log.error(msg)
-            raise BrickyardError(msg) from None
+        refusal = _determinism_error(e, device) if t.deterministic else None
+        if refusal:
+            log.error(refusal)
+            raise BrickyardError(refusal) from None
         if not info.distributed or not _is_comm_failure(e):
             raise
         silent = heartbeat.silent_ranks() if heartbeat else []
