@@ -31,6 +31,26 @@ def test_a_folder_that_cannot_be_made_is_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.strip() == f"error: {blocker / 'run'}: Not a directory.", r.stderr
 
 
+def test_a_finished_run_is_not_trained_over(tmp_path):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)).returncode == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for extra in ([], ["--devices", "cpu:2"]):
+        r = run_cli("train", *sets(*SYNTH, "train.epochs=0.5"), "--run-dir", str(run), *extra)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+            f"error: run directory {run} already holds a run; continue it with --resume auto, or pick another --run-dir.")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # not a byte changed or added
+
+
+def test_default_run_dirs_do_not_collide(tmp_path, monkeypatch):
+    from brickyard.runlog import default_run_dir
+    monkeypatch.chdir(tmp_path)
+    first = default_run_dir("mnist")
+    first.mkdir(parents=True)
+    second = default_run_dir("mnist")
+    assert second != first and (second.name == first.name + "-2" or second.name[:-2] != first.name[:-2])
+
+
 def test_nothing_written_is_lost_by_a_bad_resume(tmp_path):
     run = tmp_path / "run"
     assert run_cli("train", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)).returncode == 0

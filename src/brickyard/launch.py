@@ -127,9 +127,11 @@ def process_env(cfg) -> None:
 
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
-    from brickyard.runlog import default_run_dir
+    from brickyard.runlog import default_run_dir, refuse_reuse
     nproc, device, visible = parse_devices(args.devices)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
+    if not args.resume and not args.max_restarts and args.node_rank == 0:
+        refuse_reuse(run_dir)  # before any worker starts
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
         from brickyard.ps import check_layout

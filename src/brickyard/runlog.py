@@ -19,7 +19,24 @@ import torch
 
 
 def default_run_dir(preset: str) -> Path:
-    return Path("runs") / f"{preset}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    """``runs/PRESET-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ... when runs start within the same second."""
+    base = Path("runs") / f"{preset}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def refuse_reuse(run_dir: Path) -> None:
+    """A folder that holds a run is continued with ``--resume``, never trained into afresh: the old
+    checkpoints would mix with the new ones (``--resume auto`` would then pick the other run's newest
+    step) and the metrics of two runs would interleave."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step-*.pt")):
+        from brickyard.errors import BrickyardError
+        raise BrickyardError(f"run directory {run_dir} already holds a run; continue it with --resume auto, "
+                             f"or pick another --run-dir.")
 
 
 class Logger:

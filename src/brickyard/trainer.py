@@ -39,7 +39,7 @@ from brickyard.inspection import Watcher, first_nonfinite
 from brickyard.metrics import EvalAccumulator, fit_hint
 from brickyard.optim import Schedule, build_optimizer, describe_groups, l1_penalty, param_groups, set_lr
 from brickyard.tboard import TBWriter
-from brickyard.runlog import Logger, MetricsWriter, env_record, write_json
+from brickyard.runlog import Logger, MetricsWriter, env_record, refuse_reuse, write_json
 
 
 INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
@@ -284,6 +284,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path, resume
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
+    if info.is_main and not resume and info.restart_count == 0:
+        refuse_reuse(run_dir)  # before anything in it is opened
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(log_dir) if log_dir else run_dir / "logs"
