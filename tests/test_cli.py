@@ -104,6 +104,13 @@ def test_train_then_eval_a_checkpoint(tmp_path):
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"]) and result["count"] == 128
     v = json.loads(run_cli("eval", str(run / "checkpoints" / "best.pt"), "--split", "val").stdout)
     assert v["split"] == "val" and v["count"] == 128
+    d = json.loads(run_cli("eval", str(run), "--split", "val").stdout)  # a run directory stands for its best.pt
+    assert d["checkpoint"] == str(run / "checkpoints" / "best.pt") and d["accuracy"] == v["accuracy"]
+    (run / "checkpoints" / "best.pt").unlink()
+    n = json.loads(run_cli("eval", str(run / "checkpoints")).stdout)  # else its newest step
+    assert n["checkpoint"] == str(run / "checkpoints" / "step-0000032.pt") and n["accuracy"] == result["accuracy"]
+    empty = run_cli("eval", str(tmp_path))
+    assert empty.returncode == 2 and "is a folder with no checkpoint" in empty.stderr
 
 
 @needs_mnist

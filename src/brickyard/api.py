@@ -67,6 +67,7 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
     from brickyard import checkpoint as ckpt
     from brickyard import models
     from brickyard.errors import CheckpointError
+    path = _pick_checkpoint(Path(path))
     state = ckpt.load(path)
     meta = state.get("meta", {})
     if not meta.get("registry"):
@@ -78,10 +79,26 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
     return model, state, cfg
 
 
+def _pick_checkpoint(path: Path) -> Path:
+    """A run directory (or its ``checkpoints/``) stands for its ``best.pt``, else its newest step."""
+    from brickyard import checkpoint as ckpt
+    from brickyard.errors import CheckpointError
+    if not path.is_dir():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if (folder / "best.pt").is_file():
+        return folder / "best.pt"
+    steps = ckpt.step_checkpoints(folder)
+    if not steps:
+        raise CheckpointError(f"{path} is a folder with no checkpoint (best.pt or step-N.pt) in it.")
+    return steps[-1]
+
+
 def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
     from brickyard import device as dev
     from brickyard.data.augment import DevicePrep
     from brickyard.trainer import evaluate
+    path = _pick_checkpoint(Path(path))
     model, state, cfg = load_checkpoint_model(path)
     data = build_data(cfg.data)
     part = getattr(data, split)

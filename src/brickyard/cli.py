@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
 
     e = sub.add_parser("eval", help="evaluate a checkpoint", epilog=EXAMPLES["eval"], formatter_class=raw)
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
     e.add_argument("--split", choices=("val", "test", "train"), default="test")
     e.add_argument("--device", default="auto")
 
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("predict", help="classes, probabilities and chosen layers' outputs for images or an .npy array",
                         epilog="examples:\n  brickyard predict runs/a/checkpoints/best.pt digit.png\n"
                                "  brickyard predict best.pt x.npy --outputs 0,3 --format npz --out out.npz\n", formatter_class=raw)
-    pr.add_argument("checkpoint")
+    pr.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
     pr.add_argument("inputs", nargs="+", metavar="INPUT")
     pr.add_argument("--outputs", default="", help="comma-separated layer names, e.g. 0,3 or layer1.0.conv1")
     pr.add_argument("--format", choices=("json", "npz"), default="json")
@@ -366,7 +366,7 @@ def cmd_inspect(args) -> int:
     from brickyard.inspection import format_table, layer_table
     if args.batch < 1:
         raise BrickyardError(f"--batch {args.batch}: must be at least 1.")
-    if args.source.endswith((".pt", ".pth")):
+    if args.source.endswith((".pt", ".pth")) or os.path.isdir(args.source):  # a checkpoint or a run directory
         model, _, cfg = api.load_checkpoint_model(args.source)
     else:
         cfg = api.resolve_config(args.source, args.overrides)
