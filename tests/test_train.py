@@ -118,12 +118,13 @@ def test_checkpoints_cannot_run_code(tmp_path):
 def test_a_file_torch_save_did_not_write_is_named(tmp_path):
     good = tmp_path / "good.pt"
     checkpoint.save_atomic({"model": {"w": torch.ones(1000)}}, good)
-    cut = tmp_path / "cut.pt"
+    cut, other = tmp_path / "cut.pt", tmp_path / "digit.png"
     cut.write_bytes(good.read_bytes()[:500])
-    for path in (cut, tmp_path / "digit.png"):
-        path.write_bytes(path.read_bytes() if path.exists() else b"\x89PNG not a checkpoint")
+    other.write_bytes(b"\x89PNG not a checkpoint")
+    for path in (cut, other):
         with pytest.raises(CheckpointError, match="it is not a file written by torch.save"):
             checkpoint.load(path)
+    assert checkpoint.load(good)["model"]["w"].sum() == 1000
 
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):
