@@ -162,6 +162,52 @@ def test_a_node_that_never_joins_is_one_sentence_after_the_timeout(tmp_path):
     assert not (run / "checkpoints").exists()  # no worker started, nothing half-written
 
 
+def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path):
+    import subprocess, sys
+    args = ["train", "mnist", *sets(*PARITY, "train.max_steps=0", "train.epochs=40", "train.log_every=1"), "--devices", "cpu:2"]
+    reference = run_cli(*args, "--run-dir", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args, "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()
+                                          and metrics.read_text().count('"train"') >= 20):
+        time.sleep(0.05)
+    os.kill(int(re.search(r"pid (\d+)", log1.read_text()).group(1)), signal.SIGTERM)  # rank 1 only, as a scheduler might
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.",
+                     err.strip())
+    assert m, err
+    step = int(m.group(1))
+    assert step % 10 == 0 and checkpoint.load(m.group(2))["step"] == step
+    assert f"SIGTERM at step {step}: saved a checkpoint;" in log1.read_text()  # rank 1 stopped at the same step
+    again = run_cli(*args, "--run-dir", str(run), "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 320
+    a, b = _final(tmp_path / "ref"), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_the_launcher_is_one_line_and_a_checkpoint(tmp_path):
+    import subprocess, sys
+    run = tmp_path / "run"
+    args = ["train", "mnist", *sets(*SYNTH, "train.epochs=200", "train.log_every=1"), "--devices", "cpu:2", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 20):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every worker
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    m = re.fullmatch(r"error: SIGTERM at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.", err.strip())
+    assert m, err  # one line: no torchrun log lines, no traceback from the launcher
+    assert checkpoint.load(m.group(2))["step"] == int(m.group(1))
+
+
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
     import subprocess, sys
     run = tmp_path / "run"

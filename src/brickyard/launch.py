@@ -155,14 +155,20 @@ def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # torchrun logs each worker's exit and its own shutdown; brickyard says what matters in one sentence
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # torch sets levels per module
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     targv = torchrun_argv(args, nproc, cfg.dist.timeout_s) + ["-m", "brickyard"] + worker
     world = nproc * args.nnodes
     print(f"launching {world} processes ({nproc} per node x {args.nnodes} node(s), {device}) with torchrun; "
           f"per-device batch {cfg.data.batch_size}; logs in {log_dir}", flush=True)
     try:
         torchrun.run(torchrun.parse_args(targv))
+    except SignalException:  # the launcher was stopped (SIGTERM, SIGHUP): torchrun passed the signal to the
+        return 130             # workers, and rank 0 has said where it saved
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode

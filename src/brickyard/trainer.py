@@ -472,6 +472,8 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
     progress = _Progress(totals, data_world, per_epoch, log, metrics, tb, bar, plain)
     last_val = None
     model.train()
+    vote = dist.StopVote(info)
+    stopping = False
     with _StopFlag() as stop:
         while step < total_steps:
             epoch, pos = divmod(step, per_epoch)
@@ -538,17 +540,17 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
                 if c.every_steps and step % c.every_steps == 0:
                     guard(step, x, y)
                     save(step)
-                if stop.signum is not None or step >= total_steps:
+                stopping = vote.should_stop(step, signal.Signals(stop.signum).name if stop.signum else None)
+                if stopping or step >= total_steps:
                     break
             progress.end_window()
-            if stop.signum is not None:
+            if stopping:
                 guard(step, x, y)
                 path = save(step)
                 if bar is not None:
                     bar.close()
-                name = signal.Signals(stop.signum).name
                 where = f" to {path}" if path else ""
-                raise Interrupted(f"{name} at step {step}: saved a checkpoint{where}; resume with "
+                raise Interrupted(f"{vote.cause} at step {step}: saved a checkpoint{where}; resume with "
                                   f"`brickyard train {cfg.preset} --run-dir {run_dir} --resume auto`.")
             epoch_done = step % per_epoch == 0 or step >= total_steps
             if epoch_done:
