@@ -81,9 +81,10 @@ def test_help_presets_and_config_errors_do_not_import_torch():
     import sys
     code = ("import sys; from brickyard.cli import main; codes = [main(a) for a in {argv!r}]; "
             "print(codes, 'torch' in sys.modules)")
-    argv = [["presets"], ["train", "--set", "nope=1"], ["train", "--set", "optim.lr=abc"]]
+    argv = [["presets"], ["train", "--set", "nope=1"], ["train", "--set", "optim.lr=abc"], ["bench", "--set", "nope=1"],
+            ["memory", "--set", "nope=1"], ["boost", "dim-reduce", "--stage1-epochs", "1", "--stage2-epochs", "1", "--set", "nope=1"]]
     r = subprocess.run([sys.executable, "-c", code.format(argv=argv)], capture_output=True, text=True)
-    assert r.stdout.strip().splitlines()[-1] == "[0, 2, 2] False", r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[0, 2, 2, 2, 2, 2] False", r.stdout + r.stderr
     assert "error: nope: unknown key" in r.stderr and "error: optim.lr: 'abc' is not a number." in r.stderr
 
 

@@ -258,12 +258,13 @@ def cmd_presets(args) -> int:
 
 def cmd_bench(args) -> int:
     from pathlib import Path
-    from brickyard import api, bench
-    from brickyard.runlog import write_json
+    from brickyard.config import load_config
     if args.steps < 1 or args.warmup < 0:
         raise BrickyardError("--steps must be at least 1 and --warmup at least 0.")
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
-    cfg = api.resolve_config(args.config or "mnist", overrides)
+    cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
+    from brickyard import bench
+    from brickyard.runlog import write_json
     if args.result:  # a job of one spec: in this process, or one torchrun job whose rank 0 writes the result
         from brickyard import launch
         spec = (args.devices or [None])[0]
@@ -305,11 +306,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_memory(args) -> int:
+    from brickyard.config import load_config
+    cfg = load_config(args.config or "mnist", args.overrides)  # before torch is imported
     import torch
     from brickyard import api, launch
     from brickyard import memory as mem
     from brickyard.data import build_data
-    cfg = api.resolve_config(args.config or "mnist", args.overrides)
     nproc, kind, _ = launch.parse_devices(args.devices)
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     data = build_data(cfg.data)
@@ -329,15 +331,16 @@ def cmd_memory(args) -> int:
 
 def cmd_boost(args) -> int:
     from pathlib import Path
-    from brickyard import api
-    from brickyard.checkpoint import step_checkpoints
-    from brickyard.runlog import default_run_dir
+    from brickyard.config import load_config
     if args.boost_command != "dim-reduce":
         raise BrickyardError("boost: say dim-reduce, e.g. `brickyard boost dim-reduce mnist-course --stage1-epochs 5 --stage2-epochs 2`.")
     if args.stage1_epochs <= 0 or args.stage2_epochs <= 0:
         raise BrickyardError("--stage1-epochs and --stage2-epochs must be positive.")
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
-    cfg = api.resolve_config(args.config or "mnist-course", overrides)
+    cfg = load_config(args.config or "mnist-course", overrides)  # before torch is imported
+    from brickyard import api
+    from brickyard.checkpoint import step_checkpoints
+    from brickyard.runlog import default_run_dir
     run = Path(args.run_dir) if args.run_dir else default_run_dir(f"{cfg.preset}-dimreduce")
     s1 = api.train_config(cfg.replace(**{"train.epochs": args.stage1_epochs, "boost.snapshots.enabled": True}), run / "stage1")
     print(f"stage 1: test accuracy {s1['test_accuracy']:.4f} after {s1['epochs']:g} epochs ({s1['train_seconds']:.1f}s)")
