@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from brickyard.errors import BrickyardError
+
 
 def default_run_dir(preset: str) -> Path:
     """``runs/PRESET-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ... when runs start within the same second."""
@@ -34,7 +36,6 @@ def refuse_reuse(run_dir: Path) -> None:
     step) and the metrics of two runs would interleave."""
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step-*.pt")):
-        from brickyard.errors import BrickyardError
         raise BrickyardError(f"run directory {run_dir} already holds a run; continue it with --resume auto, "
                              f"or pick another --run-dir.")
 
