@@ -134,11 +134,10 @@ def launch(args, cfg) -> int:
         refuse_reuse(run_dir)  # before any worker starts
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
-        from brickyard.ps import check_layout
+        from brickyard.ps import NO_RESUME, check_layout
         check_layout(cfg, nproc * args.nnodes)
-        if args.resume or args.max_restarts:  # a restarted group resumes; the servers' optimiser state is not saved
-            raise BrickyardError("--resume and --max-restarts need dist.mode: collective; a parameter-server run "
-                                 "cannot resume yet.")
+        if args.resume or args.max_restarts:  # a restarted group would resume
+            raise BrickyardError(NO_RESUME)
     if nproc * args.nnodes == 1 and not args.max_restarts:
         from brickyard import api
         from brickyard.cli import _print_result

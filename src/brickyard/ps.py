@@ -36,6 +36,9 @@ from brickyard.flat import flat_grads, flatten as _flat, load_flat
 
 _HEADER, _GRAD, _PARAM = 11, 12, 13
 
+# the servers' optimiser state is not in the checkpoints, so a parameter-server run cannot continue from one
+NO_RESUME = "--resume and --max-restarts need dist.mode: collective; a parameter-server run cannot resume yet."
+
 
 @dataclass(frozen=True)
 class Layout:

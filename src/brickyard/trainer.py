@@ -53,7 +53,7 @@ class _StopFlag:
     """Set by SIGINT/SIGTERM; the loop checks it between steps and saves before leaving."""
 
     def __init__(self):
-        self.signum = None
+        self.name = None  # "SIGTERM" once caught
         self._old = {}
 
     def __enter__(self):
@@ -64,9 +64,9 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # a second Ctrl-C leaves at once
+        if self.name is not None:  # a second Ctrl-C leaves at once
             raise KeyboardInterrupt
-        self.signum = signum
+        self.name = signal.Signals(signum).name
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -190,9 +190,7 @@ class _Job:
     info: dist.DistInfo
     data: DataBundle
     run_dir: Path
-    device: torch.device
-    precision: str
-    channels_last: bool
+    host: dev.Host
     data_world: int
     group: object
     model_meta: dict
@@ -207,7 +205,7 @@ def _finish(job: _Job, model: nn.Module, prep: DevicePrep, log: Logger, metrics:
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
     if data.test is not None:
-        r = evaluate(model, data.test, prep, job.device, job.precision, cfg.data.eval_batch_size, data.num_classes,
+        r = evaluate(model, data.test, prep, job.host.device, job.host.precision, cfg.data.eval_batch_size, data.num_classes,
                      job.data_world, info.rank, job.group, keep_errors=36 if info.is_main and cfg.train.plots else 0,
                      num_workers=cfg.data.num_workers)
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
@@ -221,9 +219,9 @@ def _finish(job: _Job, model: nn.Module, prep: DevicePrep, log: Logger, metrics:
                         "mean": list(data.mean), "std": list(data.std)}, run_dir / "test_errors.pt")
     summary.update(
         train_seconds=round(progress.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
-        images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(job.device),
-        world_size=info.world_size, mode=cfg.dist.mode, trainers=job.data_world, precision=job.precision,
-        channels_last=job.channels_last, model=job.model_meta.get("name"), data=data.name, run_dir=str(run_dir),
+        images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(job.host.device),
+        world_size=info.world_size, mode=cfg.dist.mode, trainers=job.data_world, precision=job.host.precision,
+        channels_last=job.host.channels_last, model=job.model_meta.get("name"), data=data.name, run_dir=str(run_dir),
     )
     tb.close()
     if info.is_main:
@@ -353,7 +351,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
     group, ps_group, data_world = None, None, info.world_size
     if layout is not None:
         if resume:
-            raise BrickyardError("--resume is not supported with dist.mode: ps yet; use the collective mode to resume runs.")
+            raise BrickyardError(ps.NO_RESUME)
         if info.distributed:
             group = torch.distributed.new_group(list(range(layout.trainers)))
             ps_group = ps.message_group()
@@ -540,7 +538,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
                 if c.every_steps and step % c.every_steps == 0:
                     guard(step, x, y)
                     save(step)
-                stopping = vote.should_stop(step, signal.Signals(stop.signum).name if stop.signum else None)
+                stopping = vote.should_stop(step, stop.name)
                 if stopping or step >= total_steps:
                     break
             progress.end_window()
@@ -566,7 +564,7 @@ def _train(cfg, model, data, run_dir, resume, model_meta, info, host: dev.Host, 
     if client is not None:
         client.finish()
 
-    job = _Job(cfg, info, data, run_dir, device, precision, channels_last, data_world, group, model_meta)
+    job = _Job(cfg, info, data, run_dir, host, data_world, group, model_meta)
     summary = _finish(job, fwd_model, prep, log, metrics, tb, step, per_epoch, last_val, progress, wall_start)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
