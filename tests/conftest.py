@@ -10,8 +10,10 @@ SHARED = ROOT.parent / "shared" / "datasets"
 if "BRICKYARD_DATA" not in os.environ and SHARED.is_dir():
     os.environ["BRICKYARD_DATA"] = str(SHARED)
 
-# tiny synthetic runs used across the suite: fast, deterministic, no files needed
+# tiny synthetic runs used across the suite: fast, deterministic, no files needed. fp32 is pinned:
+# `precision: auto` picks bf16 on CPUs with AVX-512-BF16, and the equality tests compare at fp32 tolerance
 SYNTH = [
+    "train.precision=fp32",
     "data.name=synthetic", "data.synthetic.num_train=512", "data.synthetic.num_val=128",
     "data.synthetic.num_test=128", "data.batch_size=32", "model.name=mlp", "train.device=cpu",
     "train.progress=none", "train.threads=1", "optim.lr=0.05",

@@ -12,7 +12,8 @@ from brickyard.errors import CheckpointError, ConfigError, DataError
 from conftest import SYNTH, run_cli, sets
 
 IF = ["data.name=imagefolder", "data.train_transforms=[resize:28x28]", "data.eval_transforms=[resize:28x28]",
-      "data.normalize=mnist", "model.name=mnist_cnn", "train.device=cpu", "train.progress=none", "data.num_workers=1"]
+      "data.normalize=mnist", "model.name=mnist_cnn", "train.device=cpu", "train.progress=none", "data.num_workers=1",
+      "train.precision=fp32"]
 
 
 @pytest.fixture(scope="module")
