@@ -8,6 +8,7 @@ from torch import nn
 
 from brickyard import api, boost, checkpoint
 from brickyard.config import load_config
+from brickyard.steps import make_loss_sum
 from conftest import SYNTH, run_cli, sets
 
 DR = SimpleNamespace(rho=0.55, sigma=0.4, gamma=0.9, alpha=0.0, max_search=2)
@@ -69,7 +70,8 @@ def test_trial_forwards_leave_batch_norm_statistics_alone():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     import contextlib
-    trial = boost.make_trial_loss(model, torch.randn(8, 1, 8, 8), torch.zeros(8, dtype=torch.long), 8, 0.0, contextlib.nullcontext)
+    trial = boost.make_trial_loss(model, torch.randn(8, 1, 8, 8), torch.zeros(8, dtype=torch.long), 8,
+                                  make_loss_sum(None), contextlib.nullcontext)
     trial()
     trial()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -12,9 +12,10 @@ from brickyard.runlog import default_run_dir
 
 
 def resolve_config(config=None, overrides=()) -> Config:
-    """A ``Config`` from a Config, a dict of sections, a preset name or a YAML path."""
+    """A ``Config`` from a Config, a dict of sections, a preset name or a YAML path. ``None`` is the
+    default recipe, the one `brickyard train` uses (preset ``mnist``; its keys are the schema's defaults)."""
     if config is None:
-        return build({}, overrides)
+        return build({"preset": "mnist"}, overrides)
     if isinstance(config, Config):
         return build(config.to_dict(), overrides) if overrides else config
     if isinstance(config, dict):
@@ -24,18 +25,33 @@ def resolve_config(config=None, overrides=()) -> Config:
     raise ConfigError(f"config: expected a Config, a dict, a preset name or a YAML path, got {type(config).__name__}.")
 
 
-def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, num_classes=None,
-        run_dir=None, resume=None, overrides=()) -> dict:
+def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, callbacks=(), loss_fn=None,
+        train_step=None, num_classes=None, run_dir=None, resume=None, overrides=()) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
-    ``train_data`` / ``val_data`` / ``test_data``: ``(images, labels)`` tensors (images N x C x H x W,
-    uint8 0-255 or float) or any ``torch.utils.data.Dataset`` of ``(image, label)`` pairs.
+    ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors (inputs N x anything:
+    images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of pairs.
+    ``callbacks``: ``brickyard.Callback`` instances. ``loss_fn(outputs, targets)`` returns the mean loss
+    (default: cross-entropy with ``optim.label_smoothing``). ``train_step(run, batches)``: replaces
+    ``brickyard.steps.train_step``. Accuracy and the confusion matrix are reported when the outputs are
+    class logits (N x C) for integer labels.
+
+    Under ``torchrun`` (or ``brickyard run --devices ...``) every process calls ``fit`` and trains its
+    share; a process group you made yourself is used and left alone. ``fit`` restores the global torch
+    settings it changes (deterministic algorithms, cuDNN benchmark, CPU threads) when it returns.
+    ``$BRICKYARD_RUN_DIR``, ``$BRICKYARD_LOG_DIR`` and ``$BRICKYARD_RESUME`` (set by `brickyard run`) are
+    the defaults of ``run_dir``, the worker logs and ``resume``.
     """
+    import os
     from brickyard.trainer import train
     cfg = resolve_config(config, overrides)
+    if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
+        cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
     data = from_user(train_data, val_data, test_data, num_classes)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
-    return train(cfg, model, data, run_dir, resume, {"name": type(model).__name__})
+    run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
+    resume = resume or os.environ.get("BRICKYARD_RESUME") or None
+    return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
+                 log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step)
 
 
 def build_model(cfg: Config, data: DataBundle) -> nn.Module:

@@ -191,14 +191,14 @@ class DimReduce:
         return {"t": t_ok, "tries": tries, "accepted": t_ok > 0}
 
 
-def make_trial_loss(model: nn.Module, x, y, n_global: int, label_smoothing: float, autocast, group=None):
-    """The rank-averaged training-mode loss of ``model`` on this batch, batch-norm statistics restored."""
-    import torch.nn.functional as F
+def make_trial_loss(model: nn.Module, x, y, n_global: int, loss_sum, autocast, group=None):
+    """The rank-averaged training-mode loss of ``model`` on this batch, batch-norm statistics restored;
+    ``loss_sum(outputs, targets)`` is the run's summed loss."""
 
     def trial() -> float:
         saved = bn_state(model)
         with torch.no_grad(), autocast():
-            loss = F.cross_entropy(model(x).float(), y, reduction="sum", label_smoothing=label_smoothing)
+            loss = loss_sum(model(x), y)
         for buf, copy in saved:
             buf.copy_(copy)
         total = dist.all_reduce_sum(loss.detach().double().reshape(1), group)
@@ -210,17 +210,6 @@ def p_memory(P_shape) -> str:
     from brickyard.memory import fmt
     n, m = P_shape
     return f"P is {n} x {m:,} float32 = {fmt(4 * n * m)}"
-
-
-def check_config(cfg) -> None:
-    b = cfg.boost
-    if b.dim_reduce.enabled and cfg.train.grad_accum != 1:
-        raise ConfigError("boost.dim_reduce works with train.grad_accum: 1 (the line search needs one batch per step).")
-    if (b.dim_reduce.enabled or b.snapshots.enabled) and b.snapshots.keep <= b.dim_reduce.n_components:
-        raise ConfigError(f"boost.snapshots.keep: {b.snapshots.keep} must exceed boost.dim_reduce.n_components "
-                          f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
-    if b.dim_reduce.enabled and cfg.dist.mode == "ps":
-        raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
 
 
 def snapshot_dir(cfg, run_dir: Path) -> Path:

@@ -104,14 +104,22 @@ class CheckpointManager:
         self.folder, self.keep_last, self.keep_best = folder, keep_last, keep_best
         self.best_metric: float | None = None
 
-    def save(self, state: dict, step: int, metric: float | None = None) -> Path:
+    def improves(self, metric: float) -> bool:
+        return self.keep_best and (self.best_metric is None or metric > self.best_metric)
+
+    def save(self, state: dict, step: int, metric: float | None = None, best_state: dict | None = None) -> Path:
+        """Write ``step-N.pt``; when ``metric`` is the best so far, also ``best.pt`` (``best_state`` if
+        given, e.g. averaged weights, else a copy of the step's file)."""
         path = self.folder / f"step-{step:07d}.pt"
         save_atomic(state, path)
-        if self.keep_best and metric is not None and (self.best_metric is None or metric > self.best_metric):
+        if metric is not None and self.improves(metric):
             self.best_metric = metric
-            tmp = self.folder / ".best.pt.tmp"
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, self.folder / "best.pt")
+            if best_state is not None:
+                save_atomic(best_state, self.folder / "best.pt")
+            else:
+                tmp = self.folder / ".best.pt.tmp"
+                shutil.copyfile(path, tmp)
+                os.replace(tmp, self.folder / "best.pt")
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
         return path

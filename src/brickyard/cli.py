@@ -129,6 +129,23 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--run-dir", help="run directory (stage1/ and stage2/ inside)")
     dr.add_argument("--device", help="auto, cpu, cuda or cuda:N")
 
+    ru = sub.add_parser("run", help="run your own script (that calls brickyard.fit) on the devices you pick",
+                        epilog="examples:\n  brickyard run --devices cpu:2 my_script.py --epochs 3\n"
+                               "  brickyard run --devices 0,1 --run-dir runs/mine train_mine.py\n\n"
+                               "Each process runs the script with torchrun's RANK, WORLD_SIZE, ... set; brickyard.fit() in it\n"
+                               "trains its share. BRICKYARD_DEVICE is cpu or cuda; --run-dir and --log-dir reach fit() as\n"
+                               "BRICKYARD_RUN_DIR and BRICKYARD_LOG_DIR.\n", formatter_class=raw)
+    ru.add_argument("--devices", metavar="SPEC", default="cpu", help="cpu, cpu:N, cuda, all, or GPU ids like 0,1,2,3")
+    ru.add_argument("--run-dir", help="the run directory fit() uses (default: fit's own)")
+    ru.add_argument("--log-dir", help="folder for workerlog.N files (default RUN_DIR/logs)")
+    ru.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure (fit resumes from the newest checkpoint)")
+    ru.add_argument("--nnodes", type=int, default=1, help="number of machines")
+    ru.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    ru.add_argument("--master", metavar="HOST:PORT", help="address of node 0")
+    ru.add_argument("--timeout", type=int, default=300, help="seconds to wait for all nodes (default 300)")
+    ru.add_argument("script", help="a Python file")
+    ru.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
     sub.add_parser("models", help="list the model registry with parameter counts")
     sub.add_parser("presets", help="list the shipped presets")
     return p
@@ -239,6 +256,13 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from brickyard import launch
+    if args.max_restarts < 0 or args.timeout < 1:
+        raise BrickyardError("--max-restarts must be at least 0 and --timeout at least 1.")
+    return launch.launch_script(args)
+
+
 def cmd_models(args) -> int:
     from brickyard import models
     for name in models.names():
@@ -274,7 +298,8 @@ def cmd_bench(args) -> int:
                 job = argparse.Namespace(nnodes=1, node_rank=0, master=None, max_restarts=0)
                 worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
                 worker += ["--device", device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
-                return launch.run_torchrun(job, cfg, nproc, device, visible, worker, Path(args.result).parent)
+                return launch.run_torchrun(job, nproc, device, visible, ["-m", "brickyard"] + worker, Path(args.result).parent,
+                                           cfg.dist.timeout_s)
             cfg = cfg.replace(**{"train.device": device})
         r = bench.run_local(cfg, args.steps, args.warmup)
         if dist.from_env().is_main:
@@ -405,4 +430,4 @@ def cmd_predict(args) -> int:
     return 0
 
 
-COMMANDS = {"boost": cmd_boost, "memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+COMMANDS = {"run": cmd_run, "boost": cmd_boost, "memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}

@@ -69,7 +69,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = _opt("mnist_cnn", doc="a name from `brickyard models`")
+    name: str = _opt("mnist_fast", doc="a name from `brickyard models`")
     num_classes: int = _opt(0, min=0, doc="0 = from the data set")
     in_channels: int = _opt(0, min=0, doc="0 = from the data set")
 
@@ -84,7 +84,7 @@ class ParamGroupRule:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = _opt("nesterov", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
-    lr: float = _opt(0.05, min=0.0, doc="base (peak) learning rate")
+    lr: float = _opt(0.1, min=0.0, doc="base (peak) learning rate")
     momentum: float = _opt(0.9, min=0.0, max=1.0)
     weight_decay: float = _opt(5e-4, min=0.0)
     betas: tuple = _opt((0.9, 0.999))
@@ -130,6 +130,12 @@ class TrainConfig:
     watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
     watch_every: int = _opt(200, min=1)
     nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
+    early_stopping: int = _opt(0, min=0, doc="stop after this many validations without improvement (0 = off)")
+    early_stopping_monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"))
+    early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
+    ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
+    max_time_s: float = _opt(0.0, min=0.0, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
+    csv_log: bool = _opt(False, doc="also write RUN_DIR/metrics.csv, one row per validation")
 
 
 @dataclass(frozen=True)
@@ -301,7 +307,45 @@ def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
                 node[p] = child
             node = child
         node[parts[-1]] = value
-    return _make(Config, raw, "")
+    cfg = _make(Config, raw, "")
+    cross_check(cfg)
+    return cfg
+
+
+_SIZED = ("resize", "center_crop", "random_resized_crop")
+
+
+def _check_transform(key: str, spec) -> None:
+    name, _, arg = str(spec).partition(":")
+    if name in ("hflip", "grayscale", "rgb") and not arg:
+        return
+    dims = arg.split("x")
+    if name in _SIZED and 1 <= len(dims) <= 2 and all(d.isdigit() and int(d) > 0 for d in dims):
+        return
+    raise ConfigError(f"{key}: transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S "
+                      f"(S a size like 224 or 28x28), hflip, grayscale, rgb.")
+
+
+def cross_check(cfg: Config) -> None:
+    """The checks that involve several keys, when the config is built: before any process starts,
+    data loads or training begins."""
+    b, o = cfg.boost, cfg.optim
+    if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
+        raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    for key in ("train_transforms", "eval_transforms"):
+        for spec in getattr(cfg.data, key):
+            _check_transform(f"data.{key}", spec)
+    if b.dim_reduce.enabled and cfg.train.grad_accum != 1:
+        raise ConfigError("boost.dim_reduce works with train.grad_accum: 1 (the line search needs one batch per step).")
+    if (b.dim_reduce.enabled or b.snapshots.enabled) and not b.dim_reduce.pca_path and b.snapshots.keep <= b.dim_reduce.n_components:
+        raise ConfigError(f"boost.snapshots.keep: {b.snapshots.keep} must exceed boost.dim_reduce.n_components "
+                          f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
+    if b.dim_reduce.enabled and cfg.dist.mode == "ps":
+        raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
+    stops = [k for k, on in (("train.early_stopping", cfg.train.early_stopping), ("train.max_time_s", cfg.train.max_time_s)) if on]
+    if stops and cfg.dist.mode == "ps" and cfg.dist.ps.sync:
+        raise ConfigError(f"{stops[0]}: a synchronous parameter-server run cannot stop before its last step yet; "
+                          f"use dist.mode: collective.")
 
 
 def _make(cls, raw, prefix: str):

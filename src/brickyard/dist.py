@@ -48,11 +48,11 @@ def from_env(env=None) -> DistInfo:
     return DistInfo()
 
 
-def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> None:
-    """Join the process group (a no-op for one process)."""
+def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> bool:
+    """Join the process group; False when there was nothing to do (one process, or a group the caller made)."""
     import torch.distributed as tdist
     if not info.distributed or tdist.is_initialized():
-        return
+        return False
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}
@@ -66,6 +66,7 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
                               is_master=False, timeout=timeout)
         kwargs["store"] = tdist.PrefixStore(f"brickyard/attempt_{info.restart_count}", base)
     tdist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
+    return True
 
 
 def shutdown() -> None:
@@ -125,13 +126,13 @@ class StopVote:
         self.at, self.cause = None, None  # the agreed step; "SIGTERM to rank 1"
 
     def should_stop(self, step: int, signal_name: str | None) -> bool:
-        """Call after every step with the name of the signal this process caught, if any."""
+        """Call after every step with this process's reason to stop, if any (a signal's name, a callback's reason)."""
         if self.store is None:
             self.cause = signal_name
             return signal_name is not None
         if self.at is None and step % self.every == 0:
             if signal_name is not None:
-                proposal = f"{step + self.every} {signal_name} {self.rank}"
+                proposal = f"{step + self.every}|{self.rank}|{signal_name}"
                 self._agree(self.store.compare_set(self.key, "", proposal))
             elif self.store.check([self.key]):
                 self._agree(self.store.get(self.key))
@@ -141,8 +142,10 @@ class StopVote:
         return False
 
     def _agree(self, value: bytes) -> None:
-        at, name, rank = value.decode().split()
-        self.at, self.cause = int(at), name if int(rank) == self.rank else f"{name} to rank {rank}"
+        at, rank, name = value.decode().split("|", 2)
+        if int(rank) != self.rank:
+            name = f"{name} to rank {rank}" if name.startswith("SIG") else f"{name} (rank {rank})"
+        self.at, self.cause = int(at), name
 
 
 class Heartbeat:

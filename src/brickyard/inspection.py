@@ -74,8 +74,9 @@ def format_table(rows: list[dict], loss: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def first_nonfinite(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> str:
-    """Name the first layer whose output, or else whose gradient, is not finite on this batch."""
+def first_nonfinite(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_sum=None) -> str:
+    """Name the first layer whose output, or else whose gradient, is not finite on this batch
+    (``loss_sum(outputs, targets)``: the run's loss, default cross-entropy)."""
     bad_out: list[str] = []
     handles = []
     for name, m in layers(model):
@@ -85,7 +86,8 @@ def first_nonfinite(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> str:
         handles.append(m.register_forward_hook(hook))
     try:
         model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).float(), y)
+        out = model(x)
+        loss = loss_sum(out, y) if loss_sum is not None else F.cross_entropy(out.float(), y)
         if bad_out:
             return bad_out[0]
         if not torch.isfinite(loss):

@@ -144,11 +144,33 @@ def launch(args, cfg) -> int:
         summary = api.train_config(cfg.replace(**{"train.device": device}), run_dir, args.resume, log_dir=log_dir)
         _print_result(summary)
         return 0
-    return run_torchrun(args, cfg, nproc, device, visible, worker_argv(args, run_dir, log_dir, device), log_dir)
+    worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, device)
+    return run_torchrun(args, nproc, device, visible, worker, log_dir, cfg.dist.timeout_s,
+                        f"per-device batch {cfg.data.batch_size}; ")
 
 
-def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker: list[str], log_dir: Path) -> int:
-    """``torchrun ... -m brickyard WORKER...`` in this process; failures become one sentence."""
+def launch_script(args) -> int:
+    """``brickyard run``: a user's script under torchrun with ``--devices``, the run and log folders
+    handed over as ``BRICKYARD_RUN_DIR`` / ``BRICKYARD_LOG_DIR`` (``brickyard.fit``'s defaults), and
+    ``BRICKYARD_RESUME=auto`` when restarts are allowed, so a restarted script continues its run."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise BrickyardError(f"script {script} does not exist.")
+    nproc, device, visible = parse_devices(args.devices)
+    if args.run_dir:
+        os.environ["BRICKYARD_RUN_DIR"] = str(Path(args.run_dir).resolve())
+    log_dir = Path(args.log_dir or (Path(args.run_dir) / "logs" if args.run_dir else "runs/logs")).resolve()
+    os.environ["BRICKYARD_LOG_DIR"] = str(log_dir)
+    os.environ["BRICKYARD_DEVICE"] = device
+    if args.max_restarts:
+        os.environ["BRICKYARD_RESUME"] = "auto"
+    return run_torchrun(args, nproc, device, visible, [str(script), *args.script_args], log_dir, args.timeout)
+
+
+def run_torchrun(args, nproc: int, device: str, visible: str | None, worker: list[str], log_dir: Path,
+                 timeout_s: int, note: str = "") -> int:
+    """``torchrun ... WORKER...`` in this process (``-m brickyard train ...`` or a script); failures
+    become one sentence."""
     env_threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(env_threads))  # silences torchrun's warning; set before it starts
     if visible is not None:
@@ -160,10 +182,10 @@ def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # torch sets levels per module
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    targv = torchrun_argv(args, nproc, cfg.dist.timeout_s) + ["-m", "brickyard"] + worker
+    targv = torchrun_argv(args, nproc, timeout_s) + worker
     world = nproc * args.nnodes
     print(f"launching {world} processes ({nproc} per node x {args.nnodes} node(s), {device}) with torchrun; "
-          f"per-device batch {cfg.data.batch_size}; logs in {log_dir}", flush=True)
+          f"{note}logs in {log_dir}", flush=True)
     try:
         torchrun.run(torchrun.parse_args(targv))
     except SignalException:  # the launcher was stopped (SIGTERM, SIGHUP): torchrun passed the signal to the
@@ -179,6 +201,6 @@ def run_torchrun(args, cfg, nproc: int, device: str, visible: str | None, worker
         name = type(e).__name__
         if "Rendezvous" in name or "timeout" in str(e).lower():
             raise BrickyardError(f"not all {args.nnodes} nodes joined the job at {args.master or 'localhost'} "
-                                 f"within {cfg.dist.timeout_s}s ({name}).") from None
+                                 f"within {timeout_s}s ({name}).") from None
         raise
     return 0

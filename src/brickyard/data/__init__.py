@@ -41,9 +41,16 @@ class DataBundle:
     std: tuple[float, ...] = (1.0,)
     classes: list[str] = field(default_factory=list)
 
+    sample_shape: tuple = ()  # one input's shape; C x H x W for images
+
     @property
     def in_memory(self) -> bool:
         return self.train.images is not None
+
+    @property
+    def is_images(self) -> bool:
+        """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
+        return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2
 
 
 MNIST_STATS = {"mnist": ((0.1307,), (0.3081,)), "fashion-mnist": ((0.2860,), (0.3530,))}
@@ -111,21 +118,30 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
 
 
 def from_user(train, val=None, test=None, num_classes: int | None = None) -> DataBundle:
-    """Wrap user data for ``brickyard.fit``: ``(images, labels)`` tensors or a Dataset of pairs."""
+    """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or a Dataset of pairs.
+
+    Inputs may be N x anything: images (N x C x H x W, or N x H x W for one channel), points, signals.
+    Integer labels are classes (``num_classes`` from the largest label unless given); float labels
+    are regression targets."""
     splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
     first = splits[0]
     if first.images is not None:
-        sample, labels = first.images[0], first.labels
+        sample, label = first.images[0], first.labels[0]
     else:
-        sample, _ = first.dataset[0]
-        labels = None
-    if not isinstance(sample, torch.Tensor) or sample.dim() != 3:
-        raise DataError("train_data images must be tensors shaped C x H x W.")
+        sample, label = first.dataset[0]
+    if not isinstance(sample, torch.Tensor):
+        raise DataError(f"train_data: each input must be a tensor, got {type(sample).__name__}.")
+    shape = tuple(sample.shape)
+    classify = not (isinstance(label, torch.Tensor) and label.is_floating_point()) and not isinstance(label, float)
     if num_classes is None:
-        if labels is None:
-            raise DataError("pass num_classes to fit() when train_data is a Dataset.")
-        num_classes = int(labels.max()) + 1
-    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, sample.shape[0], tuple(sample.shape[1:]))
+        if not classify:
+            num_classes = 0
+        elif first.labels is None:
+            raise DataError("pass num_classes to fit() when train_data is a Dataset of class labels.")
+        else:
+            num_classes = int(first.labels.max()) + 1
+    in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
+    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape)
 
 
 def _user_split(data, name: str) -> Split | None:
@@ -134,12 +150,12 @@ def _user_split(data, name: str) -> Split | None:
     if isinstance(data, Split):
         return data
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        images, labels = data
-        if images.dim() == 3:
-            images = images.unsqueeze(1)
-        if images.dim() != 4 or len(images) != len(labels):
-            raise DataError(f"{name}: expected images N x C x H x W and N labels, got {tuple(images.shape)} and {tuple(labels.shape)}.")
-        return Split(images, labels.long())
+        inputs, labels = data
+        if inputs.dim() == 3 and inputs.dtype == torch.uint8:
+            inputs = inputs.unsqueeze(1)  # N x H x W grey images
+        if inputs.dim() < 1 or len(inputs) != len(labels):
+            raise DataError(f"{name}: expected N inputs and N labels, got {tuple(inputs.shape)} and {tuple(labels.shape)}.")
+        return Split(inputs, labels if labels.is_floating_point() else labels.long())
     if isinstance(data, torch.utils.data.Dataset):
         return Split(dataset=data)
-    raise DataError(f"{name}: expected an (images, labels) pair of tensors or a torch Dataset, got {type(data).__name__}.")
+    raise DataError(f"{name}: expected an (inputs, labels) pair of tensors or a torch Dataset, got {type(data).__name__}.")

@@ -1,0 +1,189 @@
+"""brickyard's own behaviours, as callbacks on the same interface a user's callbacks use.
+
+- ``ProgressLog``: the log windows (throughput, data wait, training loss and accuracy read back on log
+  steps only), the validation lines, ``metrics.jsonl``, TensorBoard scalars and the progress bar.
+- ``Checkpointing``: ``step-N.pt`` every ``checkpoint.every_steps`` and at epoch ends, ``best.pt`` by
+  validation accuracy (else loss), and a last save when the loop ends (a stop, ``max_steps``).
+- ``Watching`` / ``Histograms``: activation and gradient statistics of chosen layers, weight and
+  gradient histograms.
+- ``Snapshotting``: stage 1 of dimension-reduction training saves flattened weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+from brickyard.callbacks import Callback
+from brickyard.metrics import fit_hint
+from brickyard.steps import guard
+
+INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
+
+
+class ProgressLog(Callback):
+    def __init__(self, run, metrics, tb, input_bound_hint: str | None):
+        t = run.config.train
+        self.metrics, self.tb, self.hint = metrics, tb, input_bound_hint
+        self.every = t.log_every
+        use_bar = run.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
+        self.plain = run.is_main and not use_bar and t.progress != "none"
+        self.use_bar, self.bar = use_bar, None
+        self.at_log, self.at_eval = [0.0, 0.0, 0], [0.0, 0.0, 0]  # rank-summed totals at the last log line / evaluation
+        self.train_seconds, self.images = 0.0, 0
+        self.window_start, self.window_count = time.perf_counter(), 0
+
+    def on_train_start(self, run):
+        if self.use_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=run.total_steps, initial=run.step, unit="step", dynamic_ncols=True, leave=False)
+
+    def on_epoch_start(self, run):
+        self.window_start, self.window_count, run.data_wait = time.perf_counter(), run.totals.count, 0.0
+
+    def _end_window(self, run) -> tuple[float, int]:
+        """Close the window (at a log step or the end of an epoch); its seconds and images (all ranks)."""
+        now = time.perf_counter()
+        elapsed, n = now - self.window_start, (run.totals.count - self.window_count) * run.data_world
+        self.train_seconds += elapsed
+        self.images += n
+        self.window_start, self.window_count = now, run.totals.count
+        return elapsed, n
+
+    def on_step_end(self, run, loss):
+        if self.bar is not None:
+            self.bar.update(1)
+        if run.step % self.every == 0 or run.step == run.total_steps:
+            guard(run)  # the loss read-back below is this loop's only host sync
+            self._log(run)
+
+    def _log(self, run) -> None:
+        now = run.totals.read()  # the sync point
+        loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
+        self.at_log[:] = now
+        wait, (elapsed, n) = run.data_wait, self._end_window(run)
+        run.data_wait = 0.0
+        ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
+        loss = loss_sum / max(count, 1)
+        acc = correct / max(count, 1) if run.totals.classify else None
+        run.train_loss = loss
+        shown_acc = f" acc {acc:.4f}" if acc is not None else ""
+        extra = run.update.describe() if hasattr(run.update, "describe") else ""
+        line = (f"epoch {run.epoch} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} loss {loss:.4f}"
+                f"{shown_acc} lr {run.lr:.4f} {ips:,.0f} img/s{extra}")
+        if wait_frac > INPUT_BOUND and self.hint:
+            line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data ({self.hint})"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}{shown_acc}")
+        run.log.info(line, console=self.plain)
+        self.metrics.write(kind="train", step=run.step, epoch=round(run.step / run.steps_per_epoch, 4), loss=loss,
+                           accuracy=acc, lr=run.lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
+        self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
+
+    def on_validation_end(self, run, r):
+        now = run.totals.read()
+        count = now[2] - self.at_eval[2]
+        train_acc = (now[1] - self.at_eval[1]) / max(count, 1) if run.totals.classify else None
+        self.at_eval[:] = now
+        epoch = round(run.step / run.steps_per_epoch, 4)
+        if r["accuracy"] is not None:
+            hint = fit_hint(train_acc, r["accuracy"])
+            run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} "
+                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f}; {hint}")
+        else:
+            hint = None
+            run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f}")
+        self.metrics.write(kind="val", step=run.step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                           train_accuracy=train_acc, hint=hint)
+        self.tb.scalars(run.step, "val", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
+
+    def on_epoch_end(self, run):
+        self._end_window(run)
+
+    def on_loop_end(self, run):
+        if run.step % run.steps_per_epoch:
+            self._end_window(run)  # a stop in the middle of an epoch
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Checkpointing(Callback):
+    """Saves through a ``CheckpointManager`` (rank 0 only; the NaN guard runs on every rank first)."""
+
+    def __init__(self, manager, every_steps: int, every_epoch: bool, state_fn):
+        self.manager, self.every_steps, self.every_epoch, self.state_fn = manager, every_steps, every_epoch, state_fn
+        self.saved_at = None
+
+    def save(self, run, metric: float | None = None) -> None:
+        guard(run)
+        self.saved_at = run.step
+        if self.manager is None:
+            return
+        state = self.state_fn(run)
+        best = None
+        if metric is not None and self.manager.improves(metric) and run.eval_weights is not contextlib.nullcontext:
+            with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
+                best = self.state_fn(run)
+        run.last_checkpoint = self.manager.save(state, run.step, metric, best)
+        run.callbacks.on_checkpoint(run, run.last_checkpoint)
+
+    def on_step_end(self, run, loss):
+        if self.every_steps and run.step % self.every_steps == 0:
+            self.save(run)
+
+    def on_epoch_end(self, run):
+        if self.every_epoch or run.step >= run.total_steps:
+            fresh = run.extras.get("validated_at") == run.step
+            val = run.extras.get("last_val") if fresh else None
+            metric = None
+            if val is not None:
+                metric = val["accuracy"] if val["accuracy"] is not None else -val["loss"]
+            self.save(run, metric)
+
+    def on_loop_end(self, run):
+        if self.saved_at != run.step:
+            self.save(run)
+
+
+class Watching(Callback):
+    def __init__(self, watcher, every: int, metrics, tb):
+        self.watcher, self.every, self.metrics, self.tb, self.on = watcher, every, metrics, tb, False
+
+    def on_step_start(self, run):
+        self.on = run.step % self.every == 0
+        if self.on:
+            self.watcher.attach()
+
+    def on_before_update(self, run):
+        if self.on:
+            found = self.watcher.collect()
+            self.metrics.write(kind="watch", step=run.step, layers=found)
+            for name, row in found.items():
+                self.tb.scalars(run.step, f"watch/{name}", row)
+
+
+class Histograms(Callback):
+    def __init__(self, every: int, tb):
+        self.every, self.tb = every, tb
+
+    def on_before_update(self, run):
+        if run.step % self.every == 0:
+            self.tb.histograms(run.step, run.model)
+
+
+class Snapshotting(Callback):
+    """Stage 1 of dimension-reduction training: flattened trainable weights every ``every_steps`` steps
+    (0: at each epoch end) from ``start_epoch`` on; the initial weights start the trajectory."""
+
+    def __init__(self, snaps, cfg, params):
+        self.snaps, self.cfg, self.params = snaps, cfg, params
+
+    def on_train_start(self, run):
+        if run.step == 0 and self.cfg.start_epoch == 0:
+            self.snaps.save(0, self.params)
+
+    def on_step_end(self, run, loss):
+        every, step = self.cfg.every_steps, run.step
+        if step / run.steps_per_epoch >= self.cfg.start_epoch and (
+                (every and step % every == 0) or (not every and step % run.steps_per_epoch == 0)):
+            self.snaps.save(step, self.params)
