@@ -1,7 +1,7 @@
 """brickyard: train image classifiers on one CPU, one GPU, the GPUs you pick, or many machines."""
 __version__ = "0.1.0"
 
-__all__ = ["fit", "predict", "load_config", "Config", "__version__"]
+__all__ = ["fit", "predict", "load_config", "Config", "Callback", "Run", "__version__"]
 
 
 def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
@@ -11,6 +11,12 @@ def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
     if name == "predict":
         from brickyard.prediction import predict
         return predict
+    if name == "Callback":
+        from brickyard.callbacks import Callback
+        return Callback
+    if name == "Run":
+        from brickyard.state import Run
+        return Run
     if name in ("load_config", "Config"):
         from brickyard import config
         return getattr(config, name)

@@ -119,12 +119,16 @@ class Checkpointing(Callback):
         self.saved_at = run.step
         if self.manager is None:
             return
-        state = self.state_fn(run)
         best = None
-        if metric is not None and self.manager.improves(metric) and run.eval_weights is not contextlib.nullcontext:
-            with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
-                best = self.state_fn(run)
-        run.last_checkpoint = self.manager.save(state, run.step, metric, best)
+        if metric is not None and self.manager.improves(metric):
+            self.manager.best_metric = metric  # recorded in the state, so a resumed run compares with it
+            if run.eval_weights is not contextlib.nullcontext:
+                with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
+                    best = self.state_fn(run)
+                    best["model"] = {k: v.detach().clone() for k, v in best["model"].items()}
+        else:
+            metric = None
+        run.last_checkpoint = self.manager.save(self.state_fn(run), run.step, metric, best)
         run.callbacks.on_checkpoint(run, run.last_checkpoint)
 
     def on_step_end(self, run, loss):

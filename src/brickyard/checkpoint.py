@@ -109,10 +109,11 @@ class CheckpointManager:
 
     def save(self, state: dict, step: int, metric: float | None = None, best_state: dict | None = None) -> Path:
         """Write ``step-N.pt``; when ``metric`` is the best so far, also ``best.pt`` (``best_state`` if
-        given, e.g. averaged weights, else a copy of the step's file)."""
+        given, e.g. averaged weights, else a copy of the step's file). Call ``improves`` and record the
+        metric in ``state`` first, so the saved ``best_metric`` includes this one."""
         path = self.folder / f"step-{step:07d}.pt"
         save_atomic(state, path)
-        if metric is not None and self.improves(metric):
+        if metric is not None and self.keep_best and (self.best_metric is None or metric >= self.best_metric):
             self.best_metric = metric
             if best_state is not None:
                 save_atomic(best_state, self.folder / "best.pt")
