@@ -72,3 +72,36 @@ def test_reference_rows_cover_all_sections():
     keys = [k for k, _, _ in describe()]
     for section in ("data.", "model.", "optim.", "schedule.", "train.", "checkpoint.", "dist."):
         assert any(k.startswith(section) for k in keys)
+
+
+def test_readme_configuration_table_is_generated_from_the_schema():
+    from pathlib import Path
+    from brickyard.config import TABLE_END, TABLE_START, describe, markdown_table
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme[readme.index(TABLE_START):readme.index(TABLE_END) + len(TABLE_END)]
+    assert shown == markdown_table(), "README's table differs: run `python -m brickyard.config README.md`"
+    assert all(f"| `{key}` |" in shown for key, _, _ in describe())  # every key, data.cache and optim.l1 included
+
+
+def test_numbers_are_taken_as_people_write_them(tmp_path):
+    f = tmp_path / "ft.yaml"
+    f.write_text("base: mnist\noptim:\n  lr: 5e-5\nschedule:\n  lr_max: 3e-4\ntrain:\n  max_steps: 1e3\n")
+    cfg = load_config(str(f), ["optim.weight_decay=1e-4"])
+    assert cfg.optim.lr == 5e-5 and cfg.schedule.lr_max == 3e-4 and cfg.train.max_steps == 1000 and cfg.optim.weight_decay == 1e-4
+    for bad, msg in (("train.max_steps=1.5e0", "is not an integer"), ("optim.lr=abc", "is not a number"),
+                     ("train.epochs=.inf", "give a finite number")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config("mnist", [bad])
+
+
+def test_cross_field_checks_run_when_the_config_is_built():
+    for override, msg in (
+        (["boost.snapshots.enabled=true", "boost.snapshots.keep=10"], "boost.snapshots.keep: 10 must exceed"),
+        (["boost.dim_reduce.enabled=true", "train.grad_accum=2"], "train.grad_accum: 1"),
+        (["optim.betas=[0.9]"], "optim.betas: \\[0.9\\] must be two numbers"),
+        (["optim.betas=[0.9, 1.5]"], "must be two numbers in \\[0, 1\\)"),
+        (["data.train_transforms=[resize:abc]"], "data.train_transforms: transform 'resize:abc' is not one of"),
+        (["dist.mode=ps", "train.early_stopping=3"], "train.early_stopping: a synchronous parameter-server run"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            load_config("mnist", override)

@@ -13,12 +13,14 @@ specs run as separate jobs, and speed-up and scaling efficiency are computed aga
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -69,23 +71,9 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
         batches = _endless(loader)
 
-        def one_step(step, comm: bool):
-            t0 = time.perf_counter()
-            x, y, n_global, offset = next(batches)
-            x = prep(x, step, n_global, offset)
-            _sync(device)
-            t1 = time.perf_counter()
-            with (nullcontext() if comm or ddp is model else ddp.no_sync()):
-                with dev.autocast(device, precision):
-                    loss = F.cross_entropy(fwd(x).float(), y)
-                loss.backward()
-            _sync(device)
-            t2 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            t3 = time.perf_counter()
-            return t1 - t0, t2 - t1, t3 - t2, len(y)
+        job = SimpleNamespace(batches=batches, prep=prep, device=device, precision=precision, fwd=fwd, ddp=ddp,
+                              model=model, optimizer=optimizer)
+        one_step = functools.partial(_timed_step, job)
 
         for s in range(warmup):
             one_step(s, True)
@@ -115,6 +103,26 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         return result
     finally:
         dist.shutdown()
+
+
+def _timed_step(job, step: int, comm: bool) -> tuple[float, float, float, int]:
+    """One step timed in three phases (data, forward+backward, optimiser); ``comm=False`` skips the all-reduce."""
+    t0 = time.perf_counter()
+    x, y, n_global, offset = next(job.batches)
+    x = job.prep(x, step, n_global, offset)
+    _sync(job.device)
+    t1 = time.perf_counter()
+    with (nullcontext() if comm or job.ddp is job.model else job.ddp.no_sync()):
+        with dev.autocast(job.device, job.precision):
+            loss = F.cross_entropy(job.fwd(x).float(), y)
+        loss.backward()
+    _sync(job.device)
+    t2 = time.perf_counter()
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    _sync(job.device)
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, len(y)
 
 
 def _endless(loader):

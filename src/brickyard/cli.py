@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from brickyard import dist
+from brickyard import commands, dist
 from brickyard.errors import BrickyardError
 
 EXAMPLES = {
@@ -55,6 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
     t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
 
+    _add_inspection(sub, raw)
+    _add_performance(sub, raw)
+    _add_run(sub, raw)
+    sub.add_parser("models", help="list the model registry with parameter counts")
+    sub.add_parser("presets", help="list the shipped presets")
+    return p
+
+
+def _add_inspection(sub, raw) -> None:
+    """eval, data, plot, inspect, predict."""
     e = sub.add_parser("eval", help="evaluate a checkpoint", epilog=EXAMPLES["eval"], formatter_class=raw)
     e.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
     e.add_argument("--split", choices=("val", "test", "train"), default="test")
@@ -94,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="write to this file instead of printing")
     pr.add_argument("--device", default="cpu")
 
+
+
+def _add_performance(sub, raw) -> None:
+    """bench, memory, boost."""
     b = sub.add_parser("bench", help="throughput, step-time breakdown and scaling over device specs",
                        epilog="examples:\n  brickyard bench mnist --steps 50\n  brickyard bench mnist --devices cpu:1 cpu:2 --out runs/bench\n"
                               "  brickyard bench mnist --devices 0 0,1 0,1,2,3\n  brickyard bench mnist --loader\n", formatter_class=raw)
@@ -129,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--run-dir", help="run directory (stage1/ and stage2/ inside)")
     dr.add_argument("--device", help="auto, cpu, cuda or cuda:N")
 
+
+
+def _add_run(sub, raw) -> None:
     ru = sub.add_parser("run", help="run your own script (that calls brickyard.fit) on the devices you pick",
                         epilog="examples:\n  brickyard run --devices cpu:2 my_script.py --epochs 3\n"
                                "  brickyard run --devices 0,1 --run-dir runs/mine train_mine.py\n\n"
@@ -145,10 +162,6 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--timeout", type=int, default=300, help="seconds to wait for all nodes (default 300)")
     ru.add_argument("script", help="a Python file")
     ru.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
-
-    sub.add_parser("models", help="list the model registry with parameter counts")
-    sub.add_parser("presets", help="list the shipped presets")
-    return p
 
 
 def run() -> None:
@@ -202,7 +215,8 @@ def cmd_train(args) -> int:
     run_dir = args.run_dir or str(_default_run_dir(cfg))
     summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
     if dist.from_env().is_main:
-        _print_result(summary)
+        from brickyard.runlog import print_result
+        print_result(summary)
     return 0
 
 
@@ -211,48 +225,10 @@ def _default_run_dir(cfg):
     return default_run_dir(cfg.preset)
 
 
-def _print_result(summary: dict) -> None:
-    acc = summary.get("test_accuracy")
-    shown = f"{acc:.4f}" if acc is not None else "n/a"
-    print(f"run dir: {summary['run_dir']}")
-    print(f"test accuracy: {shown} ({summary['steps']} steps, {summary['train_seconds']:.1f}s training, "
-          f"{summary['images_per_second']:,.0f} img/s on {summary['device']})")
-
-
 def cmd_eval(args) -> int:
     from brickyard.api import evaluate_checkpoint
     r = evaluate_checkpoint(args.checkpoint, args.split, args.device)
     print(json.dumps(r))
-    return 0
-
-
-def cmd_data(args) -> int:
-    from brickyard.data import idx
-    if args.data_command is None:
-        raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
-    if args.name not in idx.SPECS:
-        raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
-    if args.data_command == "export":
-        from pathlib import Path
-        from brickyard.data.export import export_idx
-        counts = export_idx(args.name, Path(args.out), args.root, args.limit)
-        print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} PNG images to {args.out}")
-        return 0
-    if args.data_command == "fetch":
-        arrays = idx.load_idx(args.name, args.root, allow_download=True)
-        print(f"{args.name}: {len(arrays['train-labels-idx1-ubyte']):,} train + "
-              f"{len(arrays['t10k-labels-idx1-ubyte']):,} test images verified in {idx.locate(args.name, args.root)}")
-        return 0
-    folder = idx.locate(args.name, args.root)
-    print(f"{args.name}: classes {', '.join(idx.classes(args.name))}")
-    print(f"looked up in: {', '.join(str(d) for d in idx.candidate_dirs(args.name, args.root))}")
-    if folder is None:
-        print("not present; `brickyard data fetch` downloads it")
-        return 1
-    arrays = idx.load_idx(args.name, args.root, allow_download=False)
-    tr, te = arrays["train-images-idx3-ubyte"], arrays["t10k-images-idx3-ubyte"]
-    print(f"found in {folder}: train {tuple(tr.shape)} uint8, test {tuple(te.shape)} uint8 (checksums verified)")
-    print("default split: train 50,000 / val 10,000 / test 10,000 (data.train_on_all: true trains on 60,000)")
     return 0
 
 
@@ -263,171 +239,7 @@ def cmd_run(args) -> int:
     return launch.launch_script(args)
 
 
-def cmd_models(args) -> int:
-    from brickyard import models
-    for name in models.names():
-        size = (28, 28) if name in ("mnist_cnn", "lenet", "mlp", "convnet") else (32, 32) if name == "resnet18" else (224, 224)
-        channels = 1 if size == (28, 28) else 3
-        n = models.count_parameters(models.create(name, 10, channels, size))
-        print(f"{name:<18} {n:>12,} params  ({channels}x{size[0]}x{size[1]}, 10 classes)  {models.describe(name)}")
-    return 0
-
-
-def cmd_presets(args) -> int:
-    from brickyard.config import list_presets
-    for name, doc in list_presets().items():
-        print(f"{name:<18} {doc}")
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from pathlib import Path
-    from brickyard.config import load_config
-    if args.steps < 1 or args.warmup < 0:
-        raise BrickyardError("--steps must be at least 1 and --warmup at least 0.")
-    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
-    cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
-    from brickyard import bench
-    from brickyard.runlog import write_json
-    if args.result:  # a job of one spec: in this process, or one torchrun job whose rank 0 writes the result
-        from brickyard import launch
-        spec = (args.devices or [None])[0]
-        if spec is not None:
-            nproc, device, visible = launch.parse_devices(spec)
-            if nproc > 1:
-                job = argparse.Namespace(nnodes=1, node_rank=0, master=None, max_restarts=0)
-                worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
-                worker += ["--device", device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
-                return launch.run_torchrun(job, nproc, device, visible, ["-m", "brickyard"] + worker, Path(args.result).parent,
-                                           cfg.dist.timeout_s)
-            cfg = cfg.replace(**{"train.device": device})
-        r = bench.run_local(cfg, args.steps, args.warmup)
-        if dist.from_env().is_main:
-            write_json(Path(args.result), r)
-        return 0
-    if args.loader:
-        for kind in ("memory", "stream"):
-            r = bench.run_local(cfg.replace(**{"data.loader": kind}), args.steps, args.warmup)
-            print(f"[{kind}] " + bench.format_result(r))
-        return 0
-    specs = args.devices or ["cpu"]
-    results = []
-    for spec in specs:
-        r = bench.run_job(args, cfg, spec)
-        results.append((spec, r))
-        print(f"--- devices {spec}\n{bench.format_result(r)}", flush=True)
-    if len(results) > 1:
-        table, rows = bench.scaling_table(results)
-        print(table)
-        out = Path(args.out) if args.out else Path("runs") / "bench"
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "bench.json", {"results": {s: r for s, r in results}, "scaling": rows})
-        bench.plot_scaling(rows, out / "scaling.png")
-        print(f"wrote {out / 'bench.json'} and {out / 'scaling.png'}")
-    elif args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.out) / "bench.json", {"results": {specs[0]: results[0][1]}})
-    return 0
-
-
-def cmd_memory(args) -> int:
-    from brickyard.config import load_config
-    cfg = load_config(args.config or "mnist", args.overrides)  # before torch is imported
-    import torch
-    from brickyard import api, launch
-    from brickyard import memory as mem
-    from brickyard.data import build_data
-    nproc, kind, _ = launch.parse_devices(args.devices)
-    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
-    data = build_data(cfg.data)
-    torch.manual_seed(cfg.train.seed)
-    model = api.build_model(cfg, data)
-    est = mem.estimate(cfg, model, data, device, nproc)
-    budget = mem.parse_size(args.device_memory) if args.device_memory else (
-        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
-    print(mem.report(est, budget, str(device)))
-    if device.type == "cuda":
-        measured = mem.measure_cuda_step(cfg, data, device)
-        err = (est["total"] - measured) / measured
-        print(f"real step on {torch.cuda.get_device_name(device)}: torch.cuda.max_memory_allocated {mem.fmt(measured)}; "
-              f"estimate error {100 * err:+.1f}%")
-    return 0
-
-
-def cmd_boost(args) -> int:
-    from pathlib import Path
-    from brickyard.config import load_config
-    if args.boost_command != "dim-reduce":
-        raise BrickyardError("boost: say dim-reduce, e.g. `brickyard boost dim-reduce mnist-course --stage1-epochs 5 --stage2-epochs 2`.")
-    if args.stage1_epochs <= 0 or args.stage2_epochs <= 0:
-        raise BrickyardError("--stage1-epochs and --stage2-epochs must be positive.")
-    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
-    cfg = load_config(args.config or "mnist-course", overrides)  # before torch is imported
-    from brickyard import api
-    from brickyard.checkpoint import step_checkpoints
-    from brickyard.runlog import default_run_dir
-    run = Path(args.run_dir) if args.run_dir else default_run_dir(f"{cfg.preset}-dimreduce")
-    s1 = api.train_config(cfg.replace(**{"train.epochs": args.stage1_epochs, "boost.snapshots.enabled": True}), run / "stage1")
-    print(f"stage 1: test accuracy {s1['test_accuracy']:.4f} after {s1['epochs']:g} epochs ({s1['train_seconds']:.1f}s)")
-    changes = {"train.epochs": args.stage2_epochs, "boost.dim_reduce.enabled": True,
-               "boost.dim_reduce.snapshots_dir": str(run / "stage1" / "snapshots")}
-    if not args.from_init:
-        changes["finetune.init_from"] = str(step_checkpoints(run / "stage1" / "checkpoints")[-1])
-    s2 = api.train_config(cfg.replace(**changes), run / "stage2")
-    print(f"stage 2: test accuracy {s2['test_accuracy']:.4f} after {s2['epochs']:g} more epochs ({s2['train_seconds']:.1f}s)")
-    _print_result(s2)
-    return 0
-
-
-def cmd_plot(args) -> int:
-    from brickyard.plots import plot_runs
-    for path in plot_runs(args.runs, args.out):
-        print(path)
-    return 0
-
-
-def cmd_inspect(args) -> int:
-    import torch
-    from brickyard import api
-    from brickyard.data.augment import DevicePrep
-    from brickyard.data import build_data
-    from brickyard.inspection import format_table, layer_table
-    if args.batch < 1:
-        raise BrickyardError(f"--batch {args.batch}: must be at least 1.")
-    if args.source.endswith((".pt", ".pth")) or os.path.isdir(args.source):  # a checkpoint or a run directory
-        model, _, cfg = api.load_checkpoint_model(args.source)
-    else:
-        cfg = api.resolve_config(args.source, args.overrides)
-        model = None
-    data = build_data(cfg.data)
-    if model is None:
-        torch.manual_seed(cfg.train.seed)
-        model = api.build_model(cfg, data)
-    split = data.train
-    x, y = split.images[:args.batch], split.labels[:args.batch]
-    x = DevicePrep(data.mean, data.std)(x)
-    model.train()
-    rows = layer_table(model, x, y)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        print(format_table(rows))
-    return 0
-
-
-def cmd_predict(args) -> int:
-    from pathlib import Path
-    from brickyard.api import load_checkpoint_model
-    from brickyard.prediction import load_inputs, predict, write
-    model, state, _ = load_checkpoint_model(args.checkpoint)
-    meta = state["meta"]
-    outputs = [o for o in args.outputs.split(",") if o]
-    x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
-    result = predict(args.checkpoint, x, outputs, args.device)
-    text = write(result, names, outputs, args.format, Path(args.out) if args.out else None)
-    if text:
-        print(text)
-    return 0
-
-
-COMMANDS = {"run": cmd_run, "boost": cmd_boost, "memory": cmd_memory, "bench": cmd_bench, "plot": cmd_plot, "inspect": cmd_inspect, "predict": cmd_predict, "train": cmd_train, "eval": cmd_eval, "data": cmd_data, "models": cmd_models, "presets": cmd_presets}
+COMMANDS = {"run": cmd_run, "train": cmd_train, "eval": cmd_eval, "boost": commands.cmd_boost,
+            "memory": commands.cmd_memory, "bench": commands.cmd_bench, "plot": commands.cmd_plot,
+            "inspect": commands.cmd_inspect, "predict": commands.cmd_predict, "data": commands.cmd_data,
+            "models": commands.cmd_models, "presets": commands.cmd_presets}

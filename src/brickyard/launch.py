@@ -140,9 +140,9 @@ def launch(args, cfg) -> int:
             raise BrickyardError(NO_RESUME)
     if nproc * args.nnodes == 1 and not args.max_restarts:
         from brickyard import api
-        from brickyard.cli import _print_result
+        from brickyard.runlog import print_result
         summary = api.train_config(cfg.replace(**{"train.device": device}), run_dir, args.resume, log_dir=log_dir)
-        _print_result(summary)
+        print_result(summary)
         return 0
     worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, device)
     return run_torchrun(args, nproc, device, visible, worker, log_dir, cfg.dist.timeout_s,

@@ -124,3 +124,12 @@ def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def print_result(summary: dict) -> None:
+    """The two lines a finished `brickyard train` prints."""
+    acc = summary.get("test_accuracy")
+    shown = f"{acc:.4f}" if acc is not None else "n/a"
+    print(f"run dir: {summary['run_dir']}")
+    print(f"test accuracy: {shown} ({summary['steps']} steps, {summary['train_seconds']:.1f}s training, "
+          f"{summary['images_per_second']:,.0f} img/s on {summary['device']})")
