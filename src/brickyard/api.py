@@ -56,8 +56,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
 
 def build_model(cfg: Config, data: DataBundle) -> nn.Module:
     from brickyard import models
-    return models.create(cfg.model.name, cfg.model.num_classes or data.num_classes,
-                         cfg.model.in_channels or data.in_channels, data.image_size)
+    return models.build(cfg, data)
 
 
 def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:

@@ -184,13 +184,13 @@ def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: i
 
 def measure_cuda_step(cfg, data, device) -> int:
     """Peak ``max_memory_allocated`` of two real training steps at the configured batch."""
-    from brickyard import api
+    from brickyard import models
     from brickyard.data.augment import DevicePrep
     from brickyard.optim import build_optimizer, param_groups
     torch.cuda.reset_peak_memory_stats(device)
     precision = dev.resolve_precision(cfg.train.precision, device)
     cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
-    model = api.build_model(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
+    model = models.build(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
     opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     images = data.train.images.to(device) if data.in_memory else None
     for _ in range(2):

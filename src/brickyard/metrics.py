@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from brickyard import dist
 
 
+def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
+    """Outputs are class logits (N x C) for integer targets (N): accuracy and the confusion matrix apply."""
+    return out.dim() == 2 and y.dim() == 1 and not y.is_floating_point() and out.shape[1] > 1
+
+
 def _cross_entropy_sum(logits, y):
     return F.cross_entropy(logits.float(), y, reduction="sum")
 
@@ -25,7 +30,6 @@ class EvalAccumulator:
 
     def update(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Add a batch; returns the predicted classes (None when the outputs are not class logits)."""
-        from brickyard.steps import is_classification
         if self.classify is None:
             self.classify = is_classification(out, y)
             self.with_confusion = self.classify and out.shape[1] == self.c

@@ -21,12 +21,8 @@ from torch import nn
 from brickyard import device as dev
 from brickyard import dist
 from brickyard.errors import BrickyardError
+from brickyard.metrics import is_classification
 from brickyard.optim import l1_penalty, set_lr
-
-
-def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
-    """Outputs are class logits (N x C) for integer targets (N): accuracy and the confusion matrix apply."""
-    return out.dim() == 2 and y.dim() == 1 and not y.is_floating_point() and out.shape[1] > 1
 
 
 def make_loss_sum(loss_fn, label_smoothing: float = 0.0):

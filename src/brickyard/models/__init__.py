@@ -43,3 +43,9 @@ def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: t
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def build(cfg, data):
+    """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``)."""
+    return create(cfg.model.name, cfg.model.num_classes or data.num_classes,
+                  cfg.model.in_channels or data.in_channels, data.image_size)
