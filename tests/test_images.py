@@ -141,3 +141,9 @@ def test_memory_cache_means_no_decoding_after_the_first_epoch(tmp_path):
         f.unlink()  # a second epoch that decoded anything would fail now
     second = sorted(tuple(x.shape) for x, _ in loader)
     assert first == second and len(second) == 3
+
+
+def test_inspect_takes_an_image_folder_config(digits):
+    r = run_cli("inspect", "mnist", *sets(*IF, f"data.root={digits}"), "--batch", "8")
+    assert r.returncode == 0, r.stderr
+    assert "conv1" in r.stdout and "8x20x28x28" in r.stdout

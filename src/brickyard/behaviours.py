@@ -69,8 +69,8 @@ class ProgressLog(Callback):
         run.train_loss = loss
         shown_acc = f" acc {acc:.4f}" if acc is not None else ""
         extra = run.update.describe() if hasattr(run.update, "describe") else ""
-        line = (f"epoch {run.epoch} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} loss {loss:.4f}"
-                f"{shown_acc} lr {run.lr:.4f} {ips:,.0f} img/s{extra}")
+        line = (f"epoch {run.epoch + 1} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} "
+                f"loss {loss:.4f}{shown_acc} lr {run.lr:.4g} {ips:,.0f} img/s{extra}")
         if wait_frac > INPUT_BOUND and self.hint:
             line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data ({self.hint})"
         if self.bar is not None:

@@ -44,8 +44,7 @@ def cmd_data(args) -> int:
 def cmd_models(args) -> int:
     from brickyard import models
     for name in models.names():
-        size = (28, 28) if name in ("mnist_cnn", "lenet", "mlp", "convnet") else (32, 32) if name == "resnet18" else (224, 224)
-        channels = 1 if size == (28, 28) else 3
+        channels, size = models.natural_input(name)
         n = models.count_parameters(models.create(name, 10, channels, size))
         print(f"{name:<18} {n:>12,} params  ({channels}x{size[0]}x{size[1]}, 10 classes)  {models.describe(name)}")
     return 0
@@ -182,8 +181,8 @@ def cmd_inspect(args) -> int:
     if model is None:
         torch.manual_seed(cfg.train.seed)
         model = api.build_model(cfg, data)
-    split = data.train
-    x, y = split.images[:args.batch], split.labels[:args.batch]
+    from brickyard.data.loaders import eval_batches
+    x, y = next(eval_batches(data.train, args.batch, torch.device("cpu")))  # tensors or files (an image folder)
     x = DevicePrep(data.mean, data.std)(x)
     model.train()
     rows = layer_table(model, x, y)

@@ -57,8 +57,7 @@ def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.devi
 
 
 def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dict:
-    precision = dev.resolve_precision(cfg.train.precision, device) if device.type == "cuda" else \
-        ("bf16" if cfg.train.precision == "bf16" else "fp32")
+    precision = dev.resolve_precision(cfg.train.precision, device)  # as training resolves it (auto: bf16 where native)
     channels_last = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]

@@ -41,6 +41,16 @@ def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: t
     return _REGISTRY[name][0](num_classes=num_classes, in_channels=in_channels, image_size=tuple(image_size))
 
 
+NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28),
+                 "resnet18": (3, 32)}  # the rest are ImageNet layouts: 3 x 224 x 224
+
+
+def natural_input(name: str) -> tuple[int, tuple[int, int]]:
+    """(channels, (height, width)) a model is built for, as `brickyard models` shows it."""
+    channels, side = NATURAL_INPUT.get(name, (3, 224))
+    return channels, (side, side)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

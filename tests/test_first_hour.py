@@ -1,0 +1,53 @@
+"""What a user meets in the first hour: the numbers and lines a run prints, `models`, `memory`."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from brickyard import api
+from brickyard.errors import BrickyardError
+from conftest import SYNTH, run_cli, sets
+
+CPU = {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False, "tensorboard": False}
+
+
+def test_log_lines_count_epochs_from_one_and_show_small_rates(tmp_path):
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    cfg = {"train": CPU | {"epochs": 2, "log_every": 2}, "data": {"batch_size": 16},
+           "optim": {"lr": 5e-5}, "schedule": {"name": "constant"}}
+    api.fit(nn.Linear(4, 2), (x, y), val_data=(x, y), config=cfg, run_dir=tmp_path / "r")
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "epoch 1 step 2/4 loss" in log and "lr 5e-05 " in log and "epoch 0 " not in log
+    assert "epoch 1 step 4 val loss" in log and "epoch 2 step 8 val loss" in log
+
+
+def test_non_finite_loss_without_a_checkpoint_says_so(tmp_path):
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.fill_(float("inf"))
+    with pytest.raises(BrickyardError) as e:
+        api.fit(model, (x, y), config={"train": CPU}, run_dir=tmp_path / "r")
+    assert "no checkpoint was written yet" in str(e.value) and "newest checkpoint" not in str(e.value)
+
+
+def test_models_are_listed_at_their_natural_input():
+    r = run_cli("models")
+    assert r.returncode == 0
+    line = next(l for l in r.stdout.splitlines() if l.startswith("mnist_fast "))
+    assert "29,322 params" in line and "(1x28x28" in line  # what the training log says for MNIST
+
+
+def test_memory_reports_the_precision_training_would_use():
+    for forced, want in (("1", "precision bf16"), ("0", "precision fp32")):
+        r = run_cli("memory", "mnist", *sets(*[s for s in SYNTH if not s.startswith("train.precision")]),
+                    env={"BRICKYARD_CPU_BF16": forced})
+        assert r.returncode == 0, r.stderr
+        assert want in r.stdout
+
+
+def test_the_licence_is_declared_the_way_setuptools_wants():
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^license = "MIT"$', text, re.M)  # a table is deprecated and printed a warning at every install
