@@ -1,4 +1,5 @@
 """What a user meets in the first hour: the numbers and lines a run prints, `models`, `memory`."""
+import json
 import re
 from pathlib import Path
 
@@ -51,3 +52,21 @@ def test_memory_reports_the_precision_training_would_use():
 def test_the_licence_is_declared_the_way_setuptools_wants():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert re.search(r'^license = "MIT"$', text, re.M)  # a table is deprecated and printed a warning at every install
+
+
+def test_resume_continues_the_run_in_the_directory_and_refuses_changes_to_it(tmp_path):
+    run = tmp_path / "r"
+    first = run_cli("train", *sets(*SYNTH, "train.epochs=1", "data.synthetic.num_train=320"), "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for extra, key in ((["--set", "data.name=mnist"], "data.name"), (["mnist"], "data.name"),
+                       (["--set", "optim.lr=5e-5"], "optim.lr")):
+        r = run_cli("train", *extra, "--run-dir", str(run), "--resume", "auto")
+        assert r.returncode == 2 and r.stderr.startswith(f"error: --resume: {key} is ") and r.stderr.count("\n") == 1, r.stderr
+        assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+    again = run_cli("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.epochs=2")  # as printed, plus epochs
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"] == "synthetic" and summary["steps"] == 2 * 10 and summary["epochs"] == 2

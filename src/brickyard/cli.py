@@ -208,6 +208,9 @@ def cmd_train(args) -> int:
     if args.device:
         overrides.append(f"train.device={args.device}")
     cfg = load_config(args.config or "mnist", overrides)
+    if args.resume and args.run_dir:
+        from brickyard.config import resume_config
+        cfg = resume_config(args.run_dir, args.config, overrides)
     launch.process_env(cfg)
     if args.devices or args.nnodes > 1:
         return launch.launch(args, cfg)

@@ -71,6 +71,39 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
     return build(raw, overrides)
 
 
+# keys a resumed run may change: how long it trains, what it logs and saves, where and how fast it runs
+MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.max_time_s", "train.progress", "train.log_every",
+                        "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
+                        "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
+                        "checkpoint.", "dist.timeout_s", "data.num_workers", "data.prefetch", "data.pin_memory", "preset")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_config(run_dir, source: str | None, overrides=()) -> Config:
+    """The config a resumed run continues with: the one saved in ``run_dir`` plus ``overrides``. An
+    override (or a named config) that would change the run itself is refused, naming the key."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        return load_config(source or "mnist", overrides)
+    saved = _read_yaml(saved_path)
+    cfg = build(saved, overrides)
+    asked = load_config(source, overrides) if source else cfg
+    old, new, wanted = _flat(build(saved).to_dict()), _flat(cfg.to_dict()), _flat(asked.to_dict())
+    for key in old:
+        changed = new[key] != old[key] or wanted[key] != old[key]
+        if changed and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE_ON_RESUME):
+            value = wanted[key] if wanted[key] != old[key] else new[key]
+            raise ConfigError(f"--resume: {key} is {old[key]!r} in the run in {run_dir}, not {value!r}; a resumed run keeps "
+                              f"its config (only how long it trains, what it logs and where it runs may change).")
+    return cfg
+
+
 def _deep_merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():

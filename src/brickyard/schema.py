@@ -6,6 +6,7 @@ README's configuration table is generated from them (``python -m brickyard.confi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -233,7 +234,7 @@ def _yaml_value(v) -> str:
 
 
 def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
-    raw = dict(raw)
+    raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:

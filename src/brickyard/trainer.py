@@ -217,7 +217,7 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
     if run.interrupted:
         where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
         raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
-                          f"`brickyard train {cfg.preset} --run-dir {run_dir} --resume auto`.")
+                          f"`brickyard train --run-dir {run_dir} --resume auto`.")
     summary = finish(run, progress, wall_start)
     cbs.on_train_end(run, summary)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
