@@ -150,3 +150,13 @@ def test_download_verifies_and_stores(tmp_path, monkeypatch, cache_dir):
     arrays = idx.load_idx("mnist", None, allow_download=True)
     assert arrays["train-images-idx3-ubyte"].shape == (2, 28, 28)
     assert (cache_dir / "mnist" / "train-labels-idx1-ubyte.gz").is_file()
+
+
+def test_an_explicit_root_means_that_folder(tmp_path, cache_dir, monkeypatch):
+    if idx.locate("mnist", None) is None:
+        pytest.skip("MNIST files not found")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError) as e:  # another copy sits under $BRICKYARD_DATA: it must not be used
+        idx.load_idx("mnist", str(empty), allow_download=False)
+    assert f"put the four files in {empty} (data.download is off)" in str(e.value)

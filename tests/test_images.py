@@ -21,7 +21,7 @@ def digits(tmp_path_factory):
     if not __import__("conftest").have_mnist():
         pytest.skip("MNIST files not found")
     out = tmp_path_factory.mktemp("digits")
-    r = run_cli("data", "export", "mnist", str(out), "--limit", "1500")
+    r = run_cli("data", "export", "mnist", str(out), "--limit", "150")  # per class: 1,500 images a split
     assert r.returncode == 0, r.stderr
     return out
 
@@ -147,3 +147,12 @@ def test_inspect_takes_an_image_folder_config(digits):
     r = run_cli("inspect", "mnist", *sets(*IF, f"data.root={digits}"), "--batch", "8")
     assert r.returncode == 0, r.stderr
     assert "conv1" in r.stdout and "8x20x28x28" in r.stdout
+
+
+def test_a_small_export_keeps_every_class_and_trains(tmp_path):
+    out = tmp_path / "few"
+    r = run_cli("data", "export", "mnist", str(out), "--limit", "3")
+    assert r.returncode == 0 and "30 train, 30 val, 30 test" in r.stdout, r.stderr
+    assert all(len(list((out / s / str(c)).iterdir())) == 3 for s in ("train", "val", "test") for c in range(10))
+    t = run_cli("train", *sets(*IF, f"data.root={out}", "train.epochs=1", "data.batch_size=10"), "--run-dir", str(tmp_path / "r"))
+    assert t.returncode == 0, t.stderr

@@ -88,13 +88,18 @@ class CallbackList:
     def _caller(hook: str, wanted):
         def call(*args):
             for cb, fn in wanted:
+                if type(cb).__module__.startswith("brickyard."):
+                    fn(*args)  # brickyard's own: its failures (a lost peer, a full disk) are handled where they mean something
+                    continue
                 try:
                     fn(*args)
-                except BrickyardError:
+                except (BrickyardError, torch.OutOfMemoryError):
                     raise
                 except Exception as e:  # noqa: BLE001  the user's code: name it, no traceback
-                    raise BrickyardError(f"callback {type(cb).__name__}.{hook} raised {type(e).__name__}: "
-                                         f"{str(e).strip().splitlines()[0] if str(e).strip() else '(no message)'}.") from None
+                    if isinstance(e, RuntimeError) and _is_comm_failure(e):
+                        raise  # a collective in the callback met a lost peer: the run says which
+                    text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+                    raise BrickyardError(f"callback {type(cb).__name__}.{hook} raised {type(e).__name__}: {text}.") from None
         return call
 
     def state_dict(self) -> dict:
@@ -104,6 +109,11 @@ class CallbackList:
         for cb in self.callbacks:
             if cb.key in (state or {}):
                 cb.load_state_dict(state[cb.key])
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    from brickyard.failures import is_comm_failure
+    return is_comm_failure(e)
 
 
 def _overrides(cb, hook: str) -> bool:

@@ -78,7 +78,7 @@ def _add_inspection(sub, raw) -> None:
         a.add_argument("name", help="mnist or fashion-mnist")
         if name == "export":
             a.add_argument("out", metavar="DIR", help="folder to write")
-            a.add_argument("--limit", type=int, default=0, help="only the first N images of each split")
+            a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split")
         a.add_argument("--root", help="folder holding the data set's files")
 
     pl = sub.add_parser("plot", help="PNG curves (several runs overlay), confusion matrix, misclassified images",

@@ -3,7 +3,6 @@ plot, inspect and predict. Each takes the parsed arguments and returns the exit 
 mistake is a ``BrickyardError`` that ``cli.main`` prints as one line."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -70,14 +69,12 @@ def cmd_bench(args) -> int:
         from brickyard import launch
         spec = (args.devices or [None])[0]
         if spec is not None:
-            nproc, device, visible = launch.parse_devices(spec)
-            if nproc > 1:
-                job = argparse.Namespace(nnodes=1, node_rank=0, master=None, max_restarts=0)
+            job = launch.Job.from_args(args, cfg.dist.timeout_s, devices=spec)
+            if job.nproc > 1:
                 worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
-                worker += ["--device", device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
-                return launch.run_torchrun(job, nproc, device, visible, ["-m", "brickyard"] + worker, Path(args.result).parent,
-                                           cfg.dist.timeout_s)
-            cfg = cfg.replace(**{"train.device": device})
+                worker += ["--device", job.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
+                return launch.run_torchrun(job, ["-m", "brickyard"] + worker, Path(args.result).parent)
+            cfg = cfg.replace(**{"train.device": job.device})
         r = bench.run_local(cfg, args.steps, args.warmup)
         if dist.from_env().is_main:
             write_json(Path(args.result), r)

@@ -13,13 +13,50 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from brickyard.errors import BrickyardError, DeviceError
 
 
+@dataclass(frozen=True)
+class Job:
+    """How the processes of a job start, built once from the command line (``Job.from_args``)."""
+    nproc: int                # processes on this node
+    device: str               # each worker's device: cpu or cuda (its local rank's GPU)
+    visible: str | None       # CUDA_VISIBLE_DEVICES for the workers, when GPU ids were listed
+    nnodes: int = 1
+    node_rank: int = 0
+    master: str | None = None  # HOST:PORT of node 0
+    max_restarts: int = 0
+    timeout_s: int = 300
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+    @classmethod
+    def from_args(cls, args, timeout_s: int, devices: str | None = None) -> "Job":
+        """``--devices``, ``--nnodes``, ``--node-rank``, ``--master``, ``--max-restarts``, checked once."""
+        nproc, device, visible = parse_devices(devices if devices is not None else getattr(args, "devices", None))
+        nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+        master, restarts = getattr(args, "master", None), getattr(args, "max_restarts", 0)
+        if nnodes < 1 or restarts < 0:
+            raise BrickyardError("--nnodes must be at least 1 and --max-restarts at least 0.")
+        if not 0 <= node_rank < nnodes:
+            raise BrickyardError(f"--node-rank {node_rank} must be between 0 and {nnodes - 1}.")
+        if nnodes > 1 and not master:
+            raise BrickyardError("--nnodes > 1 needs --master HOST:PORT, the address of node 0 (the same on every machine).")
+        if master:
+            host, _, port = master.rpartition(":")
+            if not port.isdigit() or (nnodes > 1 and not host):
+                raise BrickyardError(f"--master {master!r}: expected HOST:PORT, e.g. 10.0.0.1:29500.")
+        return cls(nproc, device, visible, nnodes, node_rank, master, restarts, timeout_s)
+
+
 def parse_devices(spec: str | None) -> tuple[int, str, str | None]:
-    """``SPEC`` -> (processes per node, worker device, CUDA_VISIBLE_DEVICES or None)."""
+    """``SPEC`` -> (processes per node, worker device, CUDA_VISIBLE_DEVICES or None); the one parser of
+    ``--devices`` (``train.device`` names one process's device: ``device.resolve_device``)."""
     spec = (spec or "cpu").strip().lower()
     if spec == "cpu":
         return 1, "cpu", None
@@ -70,39 +107,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_argv(args, run_dir: Path, log_dir: Path, device: str) -> list[str]:
+def worker_argv(args, run_dir: Path, log_dir: Path, job: Job) -> list[str]:
     argv = ["train"] + ([args.config] if args.config else [])
     for item in args.overrides:
         argv += ["--set", item]
-    argv += ["--device", device, "--run-dir", str(run_dir), "--log-dir", str(log_dir)]
-    resume = args.resume or ("auto" if args.max_restarts > 0 else None)
+    argv += ["--device", job.device, "--run-dir", str(run_dir), "--log-dir", str(log_dir)]
+    resume = args.resume or ("auto" if job.max_restarts > 0 else None)
     if resume:
         argv += ["--resume", resume]
     return argv
 
 
-def torchrun_argv(args, nproc: int, timeout_s: int) -> list[str]:
-    out = [f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.5"]
-    if args.nnodes > 1:
-        if not args.master:
-            raise BrickyardError("--nnodes > 1 needs --master HOST:PORT, the address of node 0 (the same on every machine).")
-        host, _, port = args.master.rpartition(":")
-        if not host or not port.isdigit():
-            raise BrickyardError(f"--master {args.master!r}: expected HOST:PORT, e.g. 10.0.0.1:29500.")
-        if not 0 <= args.node_rank < args.nnodes:
-            raise BrickyardError(f"--node-rank {args.node_rank} must be between 0 and {args.nnodes - 1}.")
-        if args.node_rank == 0 and not _port_free(host, int(port)) and _is_local(host):
-            raise BrickyardError(f"--master {args.master}: port {port} is already in use on this machine; pick another.")
-        out += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={args.master}", "--rdzv-id=brickyard",
-                f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}"]
+def torchrun_argv(job: Job) -> list[str]:
+    out = [f"--nproc-per-node={job.nproc}", f"--max-restarts={job.max_restarts}", "--monitor-interval=0.5"]
+    if job.nnodes > 1:
+        host, _, port = job.master.rpartition(":")
+        if job.node_rank == 0 and not _port_free(host, int(port)) and _is_local(host):
+            raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
+        out += [f"--nnodes={job.nnodes}", f"--node-rank={job.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
+                f"--rdzv-conf=join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
     else:
-        if args.master:
-            host, _, port = args.master.rpartition(":")
-            if not port.isdigit():
-                raise BrickyardError(f"--master {args.master!r}: expected HOST:PORT.")
+        if job.master:
+            host, _, port = job.master.rpartition(":")
             if not _port_free(host or "127.0.0.1", int(port)):
-                raise BrickyardError(f"--master {args.master}: port {port} is already in use on this machine; pick another.")
+                raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
         else:
             host, port = "127.0.0.1", str(_free_port())
         out += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
@@ -128,25 +157,24 @@ def process_env(cfg) -> None:
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     from brickyard.runlog import default_run_dir, refuse_reuse
-    nproc, device, visible = parse_devices(args.devices)
+    job = Job.from_args(args, cfg.dist.timeout_s)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
-    if not args.resume and not args.max_restarts and args.node_rank == 0:
+    if not args.resume and not job.max_restarts and job.node_rank == 0:
         refuse_reuse(run_dir)  # before any worker starts
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
         from brickyard.ps import NO_RESUME, check_layout
-        check_layout(cfg, nproc * args.nnodes)
-        if args.resume or args.max_restarts:  # a restarted group would resume
+        check_layout(cfg, job.world)
+        if args.resume or job.max_restarts:  # a restarted group would resume
             raise BrickyardError(NO_RESUME)
-    if nproc * args.nnodes == 1 and not args.max_restarts:
+    if job.world == 1 and not job.max_restarts:
         from brickyard import api
         from brickyard.runlog import print_result
-        summary = api.train_config(cfg.replace(**{"train.device": device}), run_dir, args.resume, log_dir=log_dir)
+        summary = api.train_config(cfg.replace(**{"train.device": job.device}), run_dir, args.resume, log_dir=log_dir)
         print_result(summary)
         return 0
-    worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, device)
-    return run_torchrun(args, nproc, device, visible, worker, log_dir, cfg.dist.timeout_s,
-                        f"per-device batch {cfg.data.batch_size}; ")
+    worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, job)
+    return run_torchrun(job, worker, log_dir, f"per-device batch {cfg.data.batch_size}; ")
 
 
 def launch_script(args) -> int:
@@ -156,25 +184,24 @@ def launch_script(args) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise BrickyardError(f"script {script} does not exist.")
-    nproc, device, visible = parse_devices(args.devices)
+    job = Job.from_args(args, args.timeout)
     if args.run_dir:
         os.environ["BRICKYARD_RUN_DIR"] = str(Path(args.run_dir).resolve())
     log_dir = Path(args.log_dir or (Path(args.run_dir) / "logs" if args.run_dir else "runs/logs")).resolve()
     os.environ["BRICKYARD_LOG_DIR"] = str(log_dir)
-    os.environ["BRICKYARD_DEVICE"] = device
-    if args.max_restarts:
+    os.environ["BRICKYARD_DEVICE"] = job.device
+    if job.max_restarts:
         os.environ["BRICKYARD_RESUME"] = "auto"
-    return run_torchrun(args, nproc, device, visible, [str(script), *args.script_args], log_dir, args.timeout)
+    return run_torchrun(job, [str(script), *args.script_args], log_dir)
 
 
-def run_torchrun(args, nproc: int, device: str, visible: str | None, worker: list[str], log_dir: Path,
-                 timeout_s: int, note: str = "") -> int:
+def run_torchrun(job: Job, worker: list[str], log_dir: Path, note: str = "") -> int:
     """``torchrun ... WORKER...`` in this process (``-m brickyard train ...`` or a script); failures
     become one sentence."""
-    env_threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
+    env_threads = max(1, (os.cpu_count() or 1) // job.nproc) if job.device == "cpu" else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(env_threads))  # silences torchrun's warning; set before it starts
-    if visible is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if job.visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = job.visible
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -182,9 +209,8 @@ def run_torchrun(args, nproc: int, device: str, visible: str | None, worker: lis
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # torch sets levels per module
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    targv = torchrun_argv(args, nproc, timeout_s) + worker
-    world = nproc * args.nnodes
-    print(f"launching {world} processes ({nproc} per node x {args.nnodes} node(s), {device}) with torchrun; "
+    targv = torchrun_argv(job) + worker
+    print(f"launching {job.world} processes ({job.nproc} per node x {job.nnodes} node(s), {job.device}) with torchrun; "
           f"{note}logs in {log_dir}", flush=True)
     try:
         torchrun.run(torchrun.parse_args(targv))
@@ -196,11 +222,11 @@ def run_torchrun(args, nproc: int, device: str, visible: str | None, worker: lis
         if code in (2, 130):
             return code  # a user error or an interruption: rank 0 has already said it in one line
         raise BrickyardError(f"worker rank {rank} failed with exit code {code}; see {log_dir}/workerlog.{rank} "
-                             f"(restarts used: {args.max_restarts}).") from None
+                             f"(restarts used: {job.max_restarts}).") from None
     except Exception as e:  # rendezvous failures and timeouts come as several torch exception types
         name = type(e).__name__
         if "Rendezvous" in name or "timeout" in str(e).lower():
-            raise BrickyardError(f"not all {args.nnodes} nodes joined the job at {args.master or 'localhost'} "
-                                 f"within {timeout_s}s ({name}).") from None
+            raise BrickyardError(f"not all {job.nnodes} nodes joined the job at {job.master or 'localhost'} "
+                                 f"within {job.timeout_s}s ({name}).") from None
         raise
     return 0

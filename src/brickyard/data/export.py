@@ -3,7 +3,8 @@
 Writes ``DIR/train/<class>/<index>.png`` (the first 50,000 training images), ``DIR/val/...`` (the
 last 10,000) and ``DIR/test/...``, so the image-folder path sees the same split as the IDX path.
 Each file is written to a temporary name and renamed, so an interrupted export leaves no
-half-written PNG.
+half-written PNG. ``limit`` keeps the first N images *of each class* in each split, so a small
+export still has every class (an empty class folder is an error for the image-folder loader).
 """
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0) ->
     classes = [c.replace("/", "-") for c in idx.classes(name)]
     counts = {}
     for split, (images, labels) in splits.items():
-        n = min(limit, len(labels)) if limit else len(labels)
+        keep = range(len(labels))
+        if limit:
+            keep = sorted(i for c in range(len(classes)) for i in np.flatnonzero(labels == c)[:limit])
         for c in classes:
             (out / split / c).mkdir(parents=True, exist_ok=True)
-        for i in range(n):
+        for i in keep:
             path = out / split / classes[int(labels[i])] / f"{i:05d}.png"
             if path.exists():
                 continue
             tmp = path.with_name(f".{path.name}.tmp")
             Image.fromarray(np.asarray(images[i])).save(tmp, format="PNG")
             os.replace(tmp, path)
-        counts[split] = n
+        counts[split] = len(keep)
     return counts

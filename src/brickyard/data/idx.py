@@ -1,7 +1,8 @@
 """MNIST-format (IDX) data sets: lookup, download, checksum and a decoded ``.npy`` cache.
 
-Lookup order for a data set NAME: ``data.root``, then ``$BRICKYARD_DATA/NAME/``, then
-``~/.cache/brickyard/NAME/``. A folder counts when it holds all four files (gzipped or not).
+Lookup for a data set NAME: ``data.root`` when given (that folder and no other), else
+``$BRICKYARD_DATA/NAME/``, then ``~/.cache/brickyard/NAME/``. A folder counts when it holds all four
+files (gzipped or not).
 Missing files are downloaded into ``data.root`` (when given) or the cache folder. The MD5 of
 the *decompressed* bytes is verified once; the decoded arrays are then cached as ``.npy``
 (beside the files, or in the cache folder when that one is read-only) so later runs start fast.
@@ -52,9 +53,11 @@ def cache_dir(name: str) -> Path:
 
 
 def candidate_dirs(name: str, root: str | None) -> list[Path]:
-    dirs = []
+    """Where ``name`` is looked for: an explicit ``root`` alone (that folder is meant, downloads go
+    there), else ``$BRICKYARD_DATA/NAME`` and the cache."""
     if root:
-        dirs.append(Path(root).expanduser())
+        return [Path(root).expanduser()]
+    dirs = []
     if os.environ.get("BRICKYARD_DATA"):
         dirs.append(Path(os.environ["BRICKYARD_DATA"]).expanduser() / name)
     dirs.append(cache_dir(name))
