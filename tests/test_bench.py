@@ -38,3 +38,12 @@ def test_bench_loader_comparison():
 def test_bench_bad_spec_is_one_line():
     r = run_cli("bench", "mnist", *sets(*BENCH), "--devices", "cpu", "tpu:3", "--steps", "2", "--warmup", "0")
     assert r.returncode == 2 and "bench --devices tpu:3 failed" in r.stderr
+
+
+def test_superlinear_scaling_is_called_a_measurement_problem():
+    from brickyard.bench import scaling_table
+    one = {"images_per_second": 1000.0, "world_size": 1, "verdict": "compute-bound"}
+    two = {"images_per_second": 10800.0, "world_size": 2, "verdict": "compute-bound"}  # 540%, as --warmup 2 gave
+    table, rows = scaling_table([("cpu", one), ("cpu:2", two)])
+    assert rows[1]["efficiency"] == 5.4 and "warning: cpu:2 scaled above 115% of linear" in table
+    assert "warning" not in scaling_table([("cpu", one), ("cpu:2", dict(two, images_per_second=1800.0))])[0]

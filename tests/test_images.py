@@ -156,3 +156,14 @@ def test_a_small_export_keeps_every_class_and_trains(tmp_path):
     assert all(len(list((out / s / str(c)).iterdir())) == 3 for s in ("train", "val", "test") for c in range(10))
     t = run_cli("train", *sets(*IF, f"data.root={out}", "train.epochs=1", "data.batch_size=10"), "--run-dir", str(tmp_path / "r"))
     assert t.returncode == 0, t.stderr
+
+
+def test_default_transforms_follow_the_images_own_size(digits, tmp_path):
+    small = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={digits}", "data.normalize=mnist"]).data)
+    assert small.image_size == (28, 28) and small.train.dataset[0][0].shape == (1, 28, 28)
+    photos = tmp_path / "photos"
+    for c in ("cat", "dog"):
+        for i in range(2):
+            _png(photos / "train" / c / f"{i}.png", (np.random.rand(300, 400, 3) * 255).astype(np.uint8))
+    big = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={photos}"]).data)
+    assert big.image_size == (224, 224) and big.train.dataset[0][0].shape == (3, 224, 224)

@@ -61,3 +61,11 @@ def test_batch_size_auto_is_chosen_and_recorded(tmp_path):
     assert "data.batch_size: auto chose" in (tmp_path / "r" / "train.log").read_text()
     with pytest.raises(Exception, match="'huge' is not a number or one of auto"):
         load_config("mnist", ["data.batch_size=huge"])
+
+
+def test_batch_size_auto_on_a_cpu_keeps_an_epoch_of_steps(tmp_path):
+    from brickyard import api
+    s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1",
+                                                       "data.synthetic.num_train=2048"]), tmp_path / "r")
+    chosen = load_config(str(tmp_path / "r" / "config.yaml")).data.batch_size
+    assert chosen <= 2048 // 20 and s["steps"] >= 20  # it chose 2048 (one step) before

@@ -112,6 +112,8 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
     own = [progress, bh.Checkpointing(manager, c.every_steps, c.every_epoch, checkpoint_state)]
     if t.watch:
         own.append(bh.Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
+    if t.test_every:
+        own.append(bh.TestEvery(t.test_every, progress))
     if t.histograms_every:
         own.append(bh.Histograms(t.histograms_every, tb))
     if run.config.boost.snapshots.enabled and run.is_main:

@@ -19,6 +19,7 @@ from brickyard.metrics import fit_hint
 from brickyard.steps import guard
 
 INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
+MIN_HINT_IMAGES = 500  # fewer recent training images than this say too little to hint at over- or under-fitting
 
 
 class ProgressLog(Callback):
@@ -29,7 +30,7 @@ class ProgressLog(Callback):
         use_bar = run.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
         self.plain = run.is_main and not use_bar and t.progress != "none"
         self.use_bar, self.bar = use_bar, None
-        self.at_log, self.at_eval = [0.0, 0.0, 0], [0.0, 0.0, 0]  # rank-summed totals at the last log line / evaluation
+        self.at_log, self.last_window = [0.0, 0.0, 0], (0.0, 0)  # rank-summed totals at the last log line; its window
         self.train_seconds, self.images = 0.0, 0
         self.window_start, self.window_count = time.perf_counter(), 0
 
@@ -40,6 +41,7 @@ class ProgressLog(Callback):
 
     def on_epoch_start(self, run):
         self.window_start, self.window_count, run.data_wait = time.perf_counter(), run.totals.count, 0.0
+        self.epoch_start = self.window_start
 
     def _end_window(self, run) -> tuple[float, int]:
         """Close the window (at a log step or the end of an epoch); its seconds and images (all ranks)."""
@@ -61,6 +63,7 @@ class ProgressLog(Callback):
         now = run.totals.read()  # the sync point
         loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
         self.at_log[:] = now
+        self.last_window = (correct, count)
         wait, (elapsed, n) = run.data_wait, self._end_window(run)
         run.data_wait = 0.0
         ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
@@ -81,17 +84,20 @@ class ProgressLog(Callback):
         self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
 
     def on_validation_end(self, run, r):
+        # like with like: the training accuracy of the latest steps (since the last log line, else that
+        # line's window), not the epoch's mean, which its first steps drag down
         now = run.totals.read()
-        count = now[2] - self.at_eval[2]
-        train_acc = (now[1] - self.at_eval[1]) / max(count, 1) if run.totals.classify else None
-        self.at_eval[:] = now
+        since = [a - b for a, b in zip(now, self.at_log)]
+        correct, count = (since[1], since[2]) if since[2] > 0 else self.last_window
+        train_acc = correct / max(count, 1) if run.totals.classify and count else None
         epoch = round(run.step / run.steps_per_epoch, 4)
-        if r["accuracy"] is not None:
-            hint = fit_hint(train_acc, r["accuracy"])
+        hint = None
+        if r["accuracy"] is not None and train_acc is not None:
+            hint = fit_hint(train_acc, r["accuracy"]) if count >= MIN_HINT_IMAGES else None
             run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} "
-                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f}; {hint}")
+                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f} (last {int(count):,} training images)"
+                         + (f"; {hint}" if hint else ""))
         else:
-            hint = None
             run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f}")
         self.metrics.write(kind="val", step=run.step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
                            train_accuracy=train_acc, hint=hint)
@@ -99,12 +105,38 @@ class ProgressLog(Callback):
 
     def on_epoch_end(self, run):
         self._end_window(run)
+        seconds = round(time.perf_counter() - self.epoch_start, 3)  # training, validation and the stop agreement
+        run.extras.setdefault("epoch_seconds", []).append(seconds)
+        epoch = round(run.step / run.steps_per_epoch, 4)
+        self.metrics.write(kind="epoch", step=run.step, epoch=epoch, seconds=seconds)
+        run.log.info(f"epoch {epoch:g} took {seconds:.1f} s", console=self.plain)
 
     def on_loop_end(self, run):
         if run.step % run.steps_per_epoch:
             self._end_window(run)  # a stop in the middle of an epoch
         if self.bar is not None:
             self.bar.close()
+
+
+class TestEvery(Callback):
+    """``train.test_every``: the test split evaluated every N epochs during training (the final test
+    pass happens anyway), as the classic notebooks plot test accuracy per epoch."""
+
+    def __init__(self, every: int, progress: ProgressLog):
+        self.every, self.progress = every, progress
+
+    def on_epoch_end(self, run):
+        done = run.step // run.steps_per_epoch
+        if run.data.test is None or run.step >= run.total_steps or run.stopped or run.step % run.steps_per_epoch:
+            return
+        if done % self.every == 0:
+            from brickyard.evaluation import evaluate_split
+            r = evaluate_split(run, run.data.test)
+            shown = f" acc {r['accuracy']:.4f}" if r["accuracy"] is not None else ""
+            run.log.info(f"epoch {done} step {run.step} test loss {r['loss']:.4f}{shown}")
+            self.progress.metrics.write(kind="test", step=run.step, epoch=done, loss=r["loss"], accuracy=r["accuracy"],
+                                        top5=r["top5"])
+            self.progress.tb.scalars(run.step, "test_during", {k: r[k] for k in ("loss", "accuracy") if r[k] is not None})
 
 
 class Checkpointing(Callback):

@@ -31,6 +31,7 @@ from brickyard.errors import BrickyardError
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
 COMM_BOUND = 0.20
+SUPERLINEAR = 1.15  # scaling efficiency above this is a measurement problem, and said so
 
 
 def _sync(device):
@@ -166,6 +167,11 @@ def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
         rows.append({"devices": spec, "world_size": r["world_size"], "images_per_second": r["images_per_second"],
                      "speedup": speedup, "efficiency": eff, "verdict": r["verdict"]})
         lines.append(f"{spec:<12} {r['world_size']:>5} {r['images_per_second']:>10,.0f} {speedup:>8.2f}x {100 * eff:>9.0f}%  {r['verdict']}")
+    odd = [row["devices"] for row in rows if row["efficiency"] > SUPERLINEAR]
+    if odd:
+        lines.append(f"warning: {', '.join(odd)} scaled above {100 * SUPERLINEAR:.0f}% of linear, which N processes on "
+                     f"shared hardware do not do: the first spec's figure is probably too low (still warming up, or the "
+                     f"machine was busy); measure again with more --warmup and --steps.")
     return "\n".join(lines), rows
 
 

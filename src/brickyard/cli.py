@@ -97,13 +97,24 @@ def _add_inspection(sub, raw) -> None:
     pr = sub.add_parser("predict", help="classes, probabilities and chosen layers' outputs for images or an .npy array",
                         epilog="examples:\n  brickyard predict runs/a/checkpoints/best.pt digit.png\n"
                                "  brickyard predict best.pt x.npy --outputs 0,3 --format npz --out out.npz\n", formatter_class=raw)
-    pr.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
+    pr.add_argument("checkpoint", help="a checkpoint file, a run directory (its best.pt, else its newest step), "
+                                       "or a file from `brickyard export`")
     pr.add_argument("inputs", nargs="+", metavar="INPUT")
     pr.add_argument("--outputs", default="", help="comma-separated layer names, e.g. 0,3 or layer1.0.conv1")
     pr.add_argument("--format", choices=("json", "npz"), default="json")
     pr.add_argument("--out", help="write to this file instead of printing")
     pr.add_argument("--device", default="cpu")
 
+
+
+    ex = sub.add_parser("export", help="a trained model as safetensors weights or a self-contained inference program",
+                        epilog="examples:\n  brickyard export runs/a --format safetensors\n"
+                               "  brickyard export runs/a/checkpoints/best.pt --format torchscript --out digits.torchscript.pt\n"
+                               "  brickyard predict digits.torchscript.pt digit.png\n", formatter_class=raw)
+    ex.add_argument("source", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
+    ex.add_argument("--format", default="safetensors", choices=("safetensors", "torchscript", "torch-export"),
+                    help="safetensors: weights and metadata; torchscript / torch-export: a program that takes images in 0..1")
+    ex.add_argument("--out", help="file to write (default: beside the checkpoint)")
 
 
 def _add_performance(sub, raw) -> None:
@@ -244,5 +255,5 @@ def cmd_run(args) -> int:
 
 COMMANDS = {"run": cmd_run, "train": cmd_train, "eval": cmd_eval, "boost": commands.cmd_boost,
             "memory": commands.cmd_memory, "bench": commands.cmd_bench, "plot": commands.cmd_plot,
-            "inspect": commands.cmd_inspect, "predict": commands.cmd_predict, "data": commands.cmd_data,
+            "inspect": commands.cmd_inspect, "predict": commands.cmd_predict, "export": commands.cmd_export, "data": commands.cmd_data,
             "models": commands.cmd_models, "presets": commands.cmd_presets}

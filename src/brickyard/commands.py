@@ -190,12 +190,22 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from brickyard.export import export
+    path = export(args.source, args.format, args.out)
+    print(f"wrote {path} ({args.format})")
+    return 0
+
+
 def cmd_predict(args) -> int:
     from pathlib import Path
     from brickyard.api import load_checkpoint_model
+    from brickyard.export import is_exported, load_exported
     from brickyard.prediction import load_inputs, predict, write
-    model, state, _ = load_checkpoint_model(args.checkpoint)
-    meta = state["meta"]
+    if is_exported(args.checkpoint):
+        _, meta = load_exported(args.checkpoint)
+    else:
+        meta = load_checkpoint_model(args.checkpoint)[1]["meta"]
     outputs = [o for o in args.outputs.split(",") if o]
     x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
     result = predict(args.checkpoint, x, outputs, args.device)

@@ -77,7 +77,7 @@ def finish(run, progress, wall_start: float) -> dict:
         images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(run.device),
         world_size=run.world_size, mode=cfg.dist.mode, trainers=run.data_world, precision=run.precision,
         channels_last=run.extras.get("channels_last"), model=run.extras.get("model_name"), data=data.name,
-        run_dir=str(run.run_dir),
+        epoch_seconds=run.extras.get("epoch_seconds", []), run_dir=str(run.run_dir),
     )
     progress.tb.close()
     if run.is_main:

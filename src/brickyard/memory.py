@@ -144,17 +144,24 @@ def _available_host_memory() -> int:
     return 8 * 2**30
 
 
+CPU_BATCH = 256  # `auto` on a CPU: the cores are busy well before this for the nets here
+MIN_STEPS = 20   # `auto` never makes an epoch shorter than this many steps
+
+
 def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: int) -> tuple[int, str]:
     """The largest per-device batch that fits, and how it was found.
 
     On a GPU: real forward/backward steps at doubling batch sizes, with the optimiser state's bytes
     held in reserve, until one runs out of memory; on a CPU: the estimate against half of the
-    available RAM. Capped at the training split's size per rank and at 4096."""
-    cap = max(1, min(4096, train_size // max(world, 1)))
+    available RAM, and at most ``CPU_BATCH``: there memory rarely binds, and a larger batch buys no
+    speed but fewer steps. Always capped so an epoch has at least ``MIN_STEPS`` steps per rank."""
+    cap = max(1, min(4096, train_size // (max(world, 1) * MIN_STEPS)))
     if device.type != "cuda":
         est = estimate(cfg, model, data, device, world)
         budget = _available_host_memory() // 2
-        return max(1, min(cap, largest_batch(est, budget, headroom=1.0))), f"estimate against half of {fmt(2 * budget)} available RAM"
+        fits = largest_batch(est, budget, headroom=1.0)
+        return max(1, min(cap, CPU_BATCH, fits)), (f"at most {CPU_BATCH} on a CPU and {MIN_STEPS} steps an epoch; "
+                                                   f"{fits:,} would fit in half of {fmt(2 * budget)} available RAM")
     est = estimate(cfg, model, data, torch.device("cpu"), world)
     precision = dev.resolve_precision(cfg.train.precision, device)
     model = model.to(device)

@@ -48,15 +48,17 @@ def _curves(plt, runs, path: Path) -> Path:
     for run in runs:
         rows = read_metrics(run / "metrics.jsonl")
         label = run.name
-        for kind, style in (("train", ".-"), ("val", "o--")):
-            pts = [x for x in rows if x.get("kind") == kind]
+        for kind, style in (("train", ".-"), ("val", "o--"), ("test", "s:")):
+            pts = [x for x in rows if x.get("kind") == kind and "epoch" in x]  # test: train.test_every's points
             if not pts:
                 continue
             steps = [x["step"] for x in pts]
             epochs = [x["epoch"] for x in pts]
+            nan = float("nan")  # a run without accuracy (a regression) has none to draw
             for col, xs in ((0, steps), (1, epochs)):
                 axes[0][col].plot(xs, [x["loss"] for x in pts], style, label=f"{label} {kind}")
-                axes[1][col].plot(xs, [x["accuracy"] for x in pts], style, label=f"{label} {kind}")
+                axes[1][col].plot(xs, [nan if x.get("accuracy") is None else x["accuracy"] for x in pts], style,
+                                  label=f"{label} {kind}")
     for col, xl in ((0, "step"), (1, "epoch")):
         axes[0][col].set(xlabel=xl, ylabel="loss", yscale="log")
         axes[1][col].set(xlabel=xl, ylabel="accuracy")

@@ -69,13 +69,20 @@ def _resize(t: torch.Tensor, image_size) -> torch.Tensor:
 def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
-    ``model_or_checkpoint``: a checkpoint path or an ``nn.Module`` (then inputs are used as given).
+    ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
+    ``nn.Module`` (then inputs are used as given).
     ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
     """
     from brickyard import device as dev
+    from brickyard.export import is_exported, load_exported
     meta = {}
     if isinstance(model_or_checkpoint, torch.nn.Module):
         model = model_or_checkpoint
+    elif is_exported(model_or_checkpoint):
+        model, meta = load_exported(model_or_checkpoint)
+        if outputs and meta.get("normalises"):
+            raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
+                                 f"safetensors export.")
     else:
         from brickyard.api import load_checkpoint_model
         model, state, _ = load_checkpoint_model(model_or_checkpoint)
@@ -86,11 +93,16 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dic
         x = torch.as_tensor(inputs)
     if meta:
         xf = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-        mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
-        std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
-        x = (xf - mean) / std
+        if meta.get("normalises"):  # an exported program normalises itself
+            x = xf
+        else:
+            mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
+            std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
+            x = (xf - mean) / std
     d = dev.resolve_device(device)
-    model = model.to(d).eval()
+    model = model.to(d)
+    if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
+        model.eval()
     result = forward_with_outputs(model, x.float().to(d), list(outputs))
     logits = result["logits"].float()
     out = {"predicted": logits.argmax(1).cpu(), "probabilities": logits.softmax(1).cpu(), "logits": logits.cpu()}

@@ -55,8 +55,8 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
-    train_transforms: tuple = _opt(("random_resized_crop:224", "hflip"), doc="imagefolder training transforms")
-    eval_transforms: tuple = _opt(("resize:256", "center_crop:224"), doc="imagefolder evaluation transforms")
+    train_transforms: tuple = _opt(("auto",), doc="imagefolder training transforms; auto: small images (<= 64 px) at their own size, photos random_resized_crop:224, hflip")
+    eval_transforms: tuple = _opt(("auto",), doc="imagefolder evaluation transforms; auto: small images at their own size, photos resize:256, center_crop:224")
     normalize: str = _opt("imagenet", choices=("imagenet", "mnist", "half", "none"), doc="imagefolder mean/std")
     channels: int = _opt(0, min=0, doc="imagefolder channels (0 = from the first training image)")
     val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="imagefolder without val/: hold out this fraction of train")
@@ -118,6 +118,7 @@ class TrainConfig:
     deterministic: bool = _opt(False, doc="deterministic kernels only (CUDA: `brickyard train` sets CUBLAS_WORKSPACE_CONFIG)")
     log_every: int = _opt(100, min=1, doc="steps between loss read-backs")
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
+    test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
     threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
     tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
@@ -278,8 +279,10 @@ def cross_check(cfg: Config) -> None:
     if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
     for key in ("train_transforms", "eval_transforms"):
-        for spec in getattr(cfg.data, key):
-            _check_transform(f"data.{key}", spec)
+        specs = tuple(getattr(cfg.data, key))
+        if specs != ("auto",):
+            for spec in specs:
+                _check_transform(f"data.{key}", spec)
     if b.dim_reduce.enabled and cfg.train.grad_accum != 1:
         raise ConfigError("boost.dim_reduce works with train.grad_accum: 1 (the line search needs one batch per step).")
     if (b.dim_reduce.enabled or b.snapshots.enabled) and not b.dim_reduce.pca_path and b.snapshots.keep <= b.dim_reduce.n_components:

@@ -103,11 +103,29 @@ def _drop_bad(files, labels):
     return good_f, good_l, bad
 
 
+SMALL = 64  # images no larger than this on either side are trained at their own size by default
+
+
+def auto_transforms(cfg, first: torch.Tensor):
+    """``auto`` transforms follow the images: small ones (digits, icons, CIFAR-sized) keep their own size,
+    photos get the 224 pipeline (random resized crop and flip; resize 256, centre crop 224)."""
+    import dataclasses
+    h, w = first.shape[-2:]
+    small = max(h, w) <= SMALL
+    train, ev = cfg.train_transforms, cfg.eval_transforms
+    if tuple(train) == ("auto",):
+        train = (f"resize:{h}x{w}",) if small else ("random_resized_crop:224", "hflip")
+    if tuple(ev) == ("auto",):
+        ev = (f"resize:{h}x{w}",) if small else ("resize:256", "center_crop:224")
+    return dataclasses.replace(cfg, train_transforms=tuple(train), eval_transforms=tuple(ev))
+
+
 def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     if not cfg.root:
         raise ConfigError("data.root: an image-folder data set needs data.root, the folder holding train/ and test/.")
     root = Path(cfg.root).expanduser()
     files, labels, classes = scan(root / "train")
+    cfg = auto_transforms(cfg, decode(files[0]))
     size = _output_size(cfg)
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)

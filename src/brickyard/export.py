@@ -1,0 +1,118 @@
+"""``brickyard export RUN --format safetensors|torchscript|torch-export``: a trained model to share.
+
+- ``safetensors``: the weights alone, with what is needed to rebuild the registry model (name,
+  classes, input size, normalisation) in the file's metadata. No code runs when it is loaded.
+- ``torchscript``: a self-contained inference program (``torch.jit.trace``) that takes images as
+  floats in 0..1 (N x C x H x W), normalises them itself and returns logits; loads in any PyTorch,
+  C++ included, without brickyard.
+- ``torch-export``: the same program as a ``torch.export`` graph (``torch.export.load``), where the
+  model traces cleanly.
+
+``brickyard predict`` and ``brickyard.predict`` accept each of these files as well as checkpoints.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from brickyard.errors import BrickyardError
+
+FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2"}
+_META = "brickyard.json"
+
+
+class Normalised(nn.Module):
+    """``model((x - mean) / std)`` for images in 0..1: the exported programs need nothing else."""
+
+    def __init__(self, model: nn.Module, mean, std):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model((x - self.mean) / self.std)
+
+
+def export(source, fmt: str, out: Path | None = None) -> Path:
+    """Write ``source`` (a checkpoint or run directory) as ``fmt``; returns the file written."""
+    from brickyard.api import _pick_checkpoint, load_checkpoint_model
+    if fmt not in FORMATS:
+        raise BrickyardError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    path = _pick_checkpoint(Path(source))
+    model, state, _ = load_checkpoint_model(path)
+    model.eval()
+    meta = {k: state["meta"].get(k) for k in ("name", "classes", "mean", "std", "image_size", "in_channels", "num_classes")}
+    meta.update(registry=True, format=fmt, step=state["step"])
+    out = Path(out) if out else path.with_suffix(FORMATS[fmt])
+    if not out.name.endswith(FORMATS[fmt]) or out.name == FORMATS[fmt]:
+        raise BrickyardError(f"--out {out}: a {fmt} file's name ends in {FORMATS[fmt]} (that is how predict knows it).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        _save_safetensors(model, meta, out)
+        return out
+    program = Normalised(model, meta["mean"], meta["std"]).eval()
+    example = torch.rand(2, meta["in_channels"], *meta["image_size"])
+    meta["normalises"] = True
+    tmp = out.with_name(f".tmp-{out.name}")
+    try:
+        with torch.no_grad():
+            if fmt == "torchscript":
+                torch.jit.save(torch.jit.trace(program, example), str(tmp), _extra_files={_META: json.dumps(meta)})
+            else:
+                batch = torch.export.Dim("batch", min=1, max=1 << 16)  # any batch size, not the example's
+                ep = torch.export.export(program, (example,), dynamic_shapes=({0: batch},))
+                torch.export.save(ep, str(tmp), extra_files={_META: json.dumps(meta)})
+    except Exception as e:  # noqa: BLE001  tracing a model is where export fails, for reasons of the model's
+        tmp.unlink(missing_ok=True)
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise BrickyardError(f"--format {fmt}: {meta['name']} could not be exported ({reason}); try --format safetensors.") from None
+    tmp.replace(out)
+    return out
+
+
+def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise BrickyardError("--format safetensors needs the safetensors package (pip install safetensors).") from None
+    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={_META: json.dumps(meta)})
+    tmp.replace(out)
+
+
+def is_exported(path) -> bool:
+    p = Path(path)
+    return p.is_file() and (p.suffix in (".safetensors", ".pt2") or p.name.endswith(".torchscript.pt"))
+
+
+def load_exported(path) -> tuple[nn.Module, dict]:
+    """The model (or program) in an exported file and its metadata; a file of another kind is one sentence."""
+    from brickyard import models
+    path = Path(path)
+    extra = {_META: ""}
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get(_META, "{}"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if not meta.get("name"):
+                raise BrickyardError(f"{path} holds weights without brickyard's metadata; load them with finetune.init_from.")
+            model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
+            model.load_state_dict(tensors)
+            return model.eval(), meta
+        if path.suffix == ".pt2":
+            ep = torch.export.load(str(path), extra_files=extra)
+            return ep.module(), json.loads(extra[_META] or "{}")
+        program = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+        return program.eval(), json.loads(extra[_META] or "{}")
+    except BrickyardError:
+        raise
+    except Exception as e:  # noqa: BLE001  a damaged or foreign file
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise BrickyardError(f"{path} cannot be read as an exported brickyard model ({reason}).") from None
