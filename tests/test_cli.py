@@ -131,3 +131,16 @@ def test_default_preset_reaches_99_percent_on_mnist(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["test_accuracy"] >= 0.990, summary
     assert f"test accuracy: {summary['test_accuracy']:.4f}" in r.stdout
+
+
+def test_every_command_has_help_and_bad_flags_are_one_line():
+    commands = ["train", "eval", "data", "plot", "inspect", "predict", "export", "bench", "memory", "boost", "run",
+                "models", "presets"]
+    for c in commands:
+        r = run_cli(c, "--help")
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: brickyard {c}"), (c, r.stderr)
+    for argv in (["train", "--frobnicate"], ["eval"], ["inspect", "mnist", "--batch", "many"], ["nope"],
+                 ["export", "runs/x", "--format", "onnx"], ["bench", "--steps", "x"], ["data", "export", "mnist"]):
+        r = run_cli(*argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: brickyard") and not r.stdout, (argv, r.stderr)

@@ -96,3 +96,29 @@ def test_epoch_times_and_test_accuracy_during_training(tmp_path):
     assert len(summary["epoch_seconds"]) == 3 and all(s > 0 for s in summary["epoch_seconds"])
     assert [x["epoch"] for x in rows if x["kind"] == "epoch"] == [1, 2, 3]
     assert "epoch 2 took" in (run / "train.log").read_text()
+
+
+def test_input_bound_advice_fits_the_loader():
+    """The in-memory loader has no workers to add: its input-bound line must not suggest them."""
+    import time
+    from types import SimpleNamespace as NS
+    from brickyard.behaviours import ProgressLog
+
+    class Totals:
+        count, classify = 0, True
+
+        def read(self):
+            return [1.0, 1.0, float(self.count)]
+
+    lines = []
+    for hint in (None, "try more data.num_workers"):
+        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, totals=Totals(), data_world=1,
+                 update=object(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
+                 train_loss=None, log=NS(info=lambda line, console=True: lines.append(line)))
+        log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint)
+        log.on_epoch_start(run)
+        run.totals.count, run.data_wait = 8, 1.0  # the whole window spent waiting for data
+        time.sleep(0.01)
+        log._log(run)
+    assert "input-bound" not in lines[0] and "num_workers" not in lines[0]
+    assert "input-bound" in lines[1] and "try more data.num_workers" in lines[1]

@@ -34,8 +34,15 @@ EXAMPLES = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with brickyard's one-line errors (its own print the usage first); subcommands inherit it."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`).\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="brickyard", description="Train image classifiers on one CPU, one GPU, "
+    p = _Parser(prog="brickyard", description="Train image classifiers on one CPU, one GPU, "
                                 "the GPUs you pick, or many machines.",
                                 epilog="run `brickyard COMMAND --help` for a command's options and examples.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
