@@ -19,7 +19,7 @@ from brickyard import device as dev
 from brickyard import dist, ps, steps
 from brickyard.callbacks import CallbackList
 from brickyard.data.augment import DevicePrep
-from brickyard.data.loaders import BatchPlan, make_train_loader
+from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
 from brickyard.errors import BrickyardError
 from brickyard.finetune import find_head
 from brickyard.optim import Schedule, build_optimizer, describe_groups, param_groups
@@ -47,7 +47,8 @@ def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_st
             group = torch.distributed.new_group(list(range(layout.trainers)))
             ps_group = ps.message_group()
         data_world = layout.trainers
-    plan = BatchPlan(len(data.train), cfg.data.batch_size, data_world, min(info.rank, data_world - 1), t.seed)
+    g = step_batch(cfg.data, t.grad_accum, data_world)
+    plan = BatchPlan(len(data.train), max(1, g // data_world), data_world, min(info.rank, data_world - 1), t.seed, global_batch=g)
     per_epoch = plan.steps_per_epoch // t.grad_accum
     if per_epoch == 0:
         raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {plan.steps_per_epoch} batches in an epoch.")
@@ -66,7 +67,7 @@ def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_st
         dist.barrier()
         return run  # run.update stays None: this process served and is done
     run.update = _update_strategy(run, layout, groups, ps_group)
-    run.loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed)
+    run.loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed, t.grad_accum)
     _check_image_features(cfg, data)
     run.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
     return run
@@ -145,9 +146,16 @@ def announce(run: Run, host: dev.Host, info) -> None:
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
     accum, peak = cfg.train.grad_accum, run.extras["peak"]
-    log.info(f"global batch {cfg.data.batch_size * run.data_world * accum} "
-             f"({cfg.data.batch_size} per device x {run.data_world} x {accum} accumulation), "
+    parts = device_batches(cfg.data, accum, run.data_world)
+    shown = str(parts[0]) if len(set(parts)) == 1 else "-".join(map(str, sorted(set(parts), reverse=True)))
+    log.info(f"global batch {sum(parts) * accum} ({shown} per device x {run.data_world} x {accum} accumulation), "
              f"{run.steps_per_epoch} steps/epoch, {run.total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
+    if not cfg.data.global_batch_size and run.data_world > 1:  # the user fixed the per-device batch: say what moved
+        base = cfg.schedule.lr_max or cfg.optim.lr
+        rate = (f"dist.scale_lr: linear raised the peak rate {base:g} -> {peak:g}" if peak != base else
+                f"the peak rate stays {base:g} (dist.scale_lr: linear would make it {base * run.data_world:g})")
+        log.info(f"data.batch_size {cfg.data.batch_size} per device: the global batch grows with the world size "
+                 f"({cfg.data.batch_size * accum} on one device, {sum(parts) * accum} on {run.data_world}); {rate}")
     for line in describe_groups(run.extras["groups"], peak):
         log.info(line)
 

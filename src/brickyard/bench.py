@@ -51,7 +51,7 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
     from brickyard.api import build_model
     from brickyard.data import build_data
     from brickyard.data.augment import DevicePrep
-    from brickyard.data.loaders import make_train_loader
+    from brickyard.data.loaders import device_batches, make_train_loader, step_batch
     from brickyard.optim import build_optimizer, param_groups
 
     info = dist.from_env()
@@ -68,7 +68,7 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         if info.distributed:
             ddp = torch.nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
         fwd = torch.compile(ddp) if t.compile else ddp
-        loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed)
+        loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
         prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
         batches = _endless(loader)
 
@@ -95,8 +95,8 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
             "seconds_per_epoch": len(data.train) / statistics.median(ips),
             "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * sync,
                         "optimizer": 1e3 * opt_step, "total": 1e3 * step_time},
-            "world_size": info.world_size, "per_device_batch": cfg.data.batch_size,
-            "global_batch": cfg.data.batch_size * info.world_size, "device": dev.describe(device), "precision": precision,
+            "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
+            "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(device), "precision": precision,
             "channels_last": channels_last, "threads_per_process": threads, "loader": type(loader).__name__,
             "model": cfg.model.name, "data": cfg.data.name, "steps": steps, "warmup": warmup, **_peak_memory(device),
         }

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from brickyard.errors import ConfigError
-from brickyard.schema import build, cross_check  # noqa: F401  (re-exported: config.build is the public name)
+from brickyard.schema import build, cross_check, per_device_wins  # noqa: F401  (re-exported: config.build is the public name)
 from brickyard.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig, DistConfig,  # noqa: F401
                               FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig, ScheduleConfig,
                               SnapshotConfig, SyntheticConfig, TrainConfig)
@@ -66,6 +66,7 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
         raise ConfigError(f"'{source}' is neither a YAML file nor a preset; presets: {names}.")
     base = raw.pop("base", None)
     if base is not None:
+        per_device_wins(raw)  # this file's data.batch_size outranks the base's global batch
         parent = load_config(str(base)).to_dict()
         raw = _deep_merge(parent, raw)
     return build(raw, overrides)

@@ -78,7 +78,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
         acts.append(activation_bytes(m, x, torch.zeros(b, dtype=torch.long), probe, precision if precision != "fp16" else "bf16"))
     per_sample = max(0.0, (acts[1] - acts[0]) / (sizes[1] - sizes[0]))
     act_fixed = max(0.0, acts[0] - per_sample * sizes[0])
-    batch = cfg.data.batch_size if isinstance(cfg.data.batch_size, int) else 1
+    batch = device_batch(cfg, world_size)
     act_b = act_fixed + per_sample * batch
     in_memory = data.in_memory and cfg.data.loader != "stream"
     data_b = sum(s.images.numel() * s.images.element_size() for s in (data.train, data.val, data.test) if s is not None and s.images is not None) \
@@ -121,12 +121,23 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
     return "\n".join(lines)
 
 
+def device_batch(cfg, world: int) -> int:
+    """The largest per-device batch a step of ``cfg`` takes on ``world`` processes (1 for ``auto``)."""
+    from brickyard.data.loaders import device_batches
+    if cfg.data.batch_size == "auto" and not cfg.data.global_batch_size:
+        return 1
+    return max(device_batches(cfg.data, cfg.train.grad_accum, world))
+
+
 def oom_tips(est: dict, cfg) -> str:
     """Concrete ways out of an out-of-memory error for this model."""
-    half = max(1, cfg.data.batch_size // 2)
+    b = est["batch"]
+    half = max(1, b // 2)
     saved_opt = est["optimizer_state"]
-    tips = [f"data.batch_size={half} (saves about {fmt(est['activations_per_sample'] * (cfg.data.batch_size - half))})",
-            f"train.grad_accum={2 * cfg.train.grad_accum} with data.batch_size={half} keeps the global batch"]
+    accum = ([f"train.grad_accum={2 * cfg.train.grad_accum} (the global batch stays, each step in smaller parts)"]
+             if cfg.data.global_batch_size else
+             [f"train.grad_accum={2 * cfg.train.grad_accum} with data.batch_size={half} keeps the global batch"])
+    tips = [f"data.batch_size={half} (saves about {fmt(est['activations_per_sample'] * (b - half))})"] + accum
     if est["precision"] == "fp32":
         tips.append(f"train.precision=bf16 (activations about {fmt(est['activations'] / 2)} instead of {fmt(est['activations'])})")
     if saved_opt:
@@ -199,9 +210,10 @@ def measure_cuda_step(cfg, data, device) -> int:
     model = models.build(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
     opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     images = data.train.images.to(device) if data.in_memory else None
+    b = device_batch(cfg, 1)
     for _ in range(2):
-        x = images[:cfg.data.batch_size] if images is not None else torch.randint(
-            0, 255, (cfg.data.batch_size, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
+        x = images[:b] if images is not None else torch.randint(
+            0, 255, (b, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
         x = DevicePrep(data.mean, data.std, channels_last=cl, device=device)(x)
         with dev.autocast(device, precision):
             loss = F.cross_entropy(model(x).float(), torch.zeros(len(x), dtype=torch.long, device=device))

@@ -43,7 +43,8 @@ class DataConfig:
     name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic", "imagefolder"))
     root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
-    batch_size: Union[int, str] = _opt(128, min=1, choices_str=("auto",), doc="per-device batch size, or auto (the largest that fits)")
+    global_batch_size: int = _opt(128, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
+    batch_size: Union[int, str] = _opt(128, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")
     eval_batch_size: int = _opt(250, min=1)
     train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
@@ -234,8 +235,20 @@ def _yaml_value(v) -> str:
 # Building and checking a Config from plain values
 
 
+def per_device_wins(raw: dict, keys=None) -> None:
+    """A config that names ``data.batch_size`` (the per-device batch) without ``data.global_batch_size``
+    gets what it asked for: the global batch then follows the world size (``global_batch_size: 0``).
+    ``keys``: the dotted keys set at this level (overrides); else the keys in ``raw`` itself."""
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    named = set(keys) if keys is not None else {f"data.{k}" for k in data}
+    if "data.batch_size" in named and "data.global_batch_size" not in named:
+        raw.setdefault("data", {})["global_batch_size"] = 0
+
+
 def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
     raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
+    per_device_wins(raw)
+    per_device_wins(raw, [item.partition("=")[0].strip() for item in overrides])
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -283,6 +296,10 @@ def cross_check(cfg: Config) -> None:
         if specs != ("auto",):
             for spec in specs:
                 _check_transform(f"data.{key}", spec)
+    g, accum = cfg.data.global_batch_size, cfg.train.grad_accum
+    if g and g % accum:
+        raise ConfigError(f"data.global_batch_size: {g} is not divisible by train.grad_accum ({accum}); "
+                          f"each accumulation step takes an equal share.")
     if b.dim_reduce.enabled and cfg.train.grad_accum != 1:
         raise ConfigError("boost.dim_reduce works with train.grad_accum: 1 (the line search needs one batch per step).")
     if (b.dim_reduce.enabled or b.snapshots.enabled) and not b.dim_reduce.pca_path and b.snapshots.keep <= b.dim_reduce.n_components:

@@ -129,6 +129,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
     wall_start = time.perf_counter()
     info = info or dist.from_env()
+    _check_fits(cfg, data, info)  # before anything is written
     with _torch_flags():
         host = dev.setup(cfg.train, info.local_rank, info.local_world_size)
         if host.device.type == "cuda":
@@ -146,6 +147,23 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
         finally:
             if created:  # a process group the caller made is theirs to end
                 dist.shutdown()
+
+
+def _check_fits(cfg, data, info) -> None:
+    """The data and the global batch must give every process that reads data at least one image."""
+    from brickyard.data.loaders import step_batch
+    readers = info.world_size - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
+    if readers < 1:
+        return  # the layout check says it
+    if len(data.train) < readers:
+        raise BrickyardError(f"the training split has {len(data.train)} samples, fewer than the {readers} processes that "
+                             f"read data; use fewer processes or more data.")
+    if cfg.data.batch_size != "auto" or cfg.data.global_batch_size:
+        g = step_batch(cfg.data, cfg.train.grad_accum, readers)
+        if g < readers:
+            raise BrickyardError(f"data.global_batch_size: {cfg.data.global_batch_size} over {cfg.train.grad_accum} "
+                                 f"accumulation step(s) is smaller than the {readers} processes that read data; each "
+                                 f"needs at least one image.")
 
 
 @contextlib.contextmanager

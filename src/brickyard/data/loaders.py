@@ -24,14 +24,21 @@ class BatchPlan:
     """Which sample indices rank ``rank`` uses at each step of each epoch.
 
     Epoch ``e`` uses ``randperm(n)`` seeded with ``(seed, e)``; step ``s`` takes the global batch
-    ``perm[s*G:(s+1)*G]`` (G = batch_size x world) and this rank gets its contiguous part, so the
-    ranks' shards are disjoint and together cover the epoch. A final partial global batch is kept
-    when every rank gets at least one sample, otherwise dropped.
+    ``perm[s*G:(s+1)*G]`` (G = ``global_batch``, default batch_size x world) and this rank gets its
+    contiguous part (``tensor_split``: parts differ by at most one when the world does not divide G),
+    so the ranks' shards are disjoint and together cover the epoch. The batches depend on G, never
+    on the world size, so any number of ranks (and a resume on another number) sees the same global
+    batches. A final partial global batch is kept when every rank gets at least one sample.
     """
 
-    def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+    def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                 global_batch: int | None = None):
         self.n, self.batch_size, self.world, self.rank, self.seed, self.shuffle = n, batch_size, world, rank, seed, shuffle
-        self.global_batch = batch_size * world
+        self.global_batch = global_batch or batch_size * world
+        if self.global_batch < world:
+            from brickyard.errors import ConfigError
+            raise ConfigError(f"data.global_batch_size: a global batch of {self.global_batch} (per accumulation step) "
+                              f"is smaller than the {world} processes; each needs at least one image.")
         full, rem = divmod(n, self.global_batch)
         self.steps_per_epoch = full + (1 if rem >= world else 0)
         if self.steps_per_epoch == 0:
@@ -122,9 +129,24 @@ def _clean_errors(iterable):
         raise DataError(last.split("DataError: ", 1)[-1]) from None
 
 
-def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int):
+def step_batch(cfg, accum: int, world: int) -> int:
+    """Images in one micro-step over all ranks: ``data.global_batch_size / train.grad_accum`` when the
+    recipe fixes the global batch, else ``data.batch_size x world`` (``cfg`` is the ``data`` section)."""
+    if cfg.global_batch_size:
+        return cfg.global_batch_size // accum
+    return cfg.batch_size * world
+
+
+def device_batches(cfg, accum: int, world: int) -> list[int]:
+    """Each rank's share of a micro-step's global batch (they differ by at most one)."""
+    g = step_batch(cfg, accum, world)
+    return [g // world + (1 if r < g % world else 0) for r in range(world)]
+
+
+def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int, accum: int = 1):
     """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
-    plan = BatchPlan(len(split), cfg.batch_size, world, rank, seed)
+    g = step_batch(cfg, accum, world)
+    plan = BatchPlan(len(split), max(1, g // world), world, rank, seed, global_batch=g)
     kind = cfg.loader
     if kind == "auto":
         kind = "memory" if split.images is not None else "stream"
