@@ -122,3 +122,18 @@ def test_input_bound_advice_fits_the_loader():
         log._log(run)
     assert "input-bound" not in lines[0] and "num_workers" not in lines[0]
     assert "input-bound" in lines[1] and "try more data.num_workers" in lines[1]
+
+
+def test_a_run_that_stops_learning_says_so_and_can_end_there(tmp_path):
+    frozen = [*SYNTH, "optim.lr=0", "train.epochs=4", "train.log_every=4", "checkpoint.every_steps=8"]  # lr 0: at chance
+    r = run_cli("train", *sets(*frozen), "--run-dir", str(tmp_path / "warn"))
+    assert r.returncode == 0, r.stderr
+    warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: not learning")]
+    assert len(warnings) == 1 and "ln 10 = 2.303" in warnings[0] and "learning rate too high" in warnings[0]
+    assert json.loads((tmp_path / "warn" / "summary.json").read_text())["not_learning"].startswith("not learning")
+    r = run_cli("train", *sets(*frozen, "train.stop_if_not_learning=true"), "--run-dir", str(tmp_path / "stop"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: not learning") and "stopped" in lines[0]
+    assert list((tmp_path / "stop" / "checkpoints").glob("step-*.pt"))  # what it had is kept
+    healthy = run_cli("train", *sets(*SYNTH, "train.epochs=4", "train.log_every=4"), "--run-dir", str(tmp_path / "ok"))
+    assert healthy.returncode == 0 and "not learning" not in healthy.stderr

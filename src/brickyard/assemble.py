@@ -110,7 +110,8 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
     from brickyard.inspection import Watcher
     t, c = run.config.train, run.config.checkpoint
     manager = ckpt.CheckpointManager(run.run_dir / "checkpoints", c.keep_last, c.keep_best) if run.is_main else None
-    own = [progress, bh.Checkpointing(manager, c.every_steps, c.every_epoch, checkpoint_state)]
+    own = [progress, bh.NotLearning(stop=t.stop_if_not_learning),
+           bh.Checkpointing(manager, c.every_steps, c.every_epoch, checkpoint_state)]
     if t.watch:
         own.append(bh.Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
     if t.test_every:

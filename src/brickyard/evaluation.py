@@ -55,7 +55,8 @@ def finish(run, progress, wall_start: float) -> dict:
     """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary."""
     cfg, data = run.config, run.data
     summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
-               "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped}
+               "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
+               "not_learning": run.extras.get("not_learning")}
     last_val = run.extras.get("last_val")
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])

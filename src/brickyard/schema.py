@@ -129,6 +129,7 @@ class TrainConfig:
     watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
     watch_every: int = _opt(200, min=1)
     nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
+    stop_if_not_learning: bool = _opt(False, doc="end the run (exit 1) when the training loss sits at chance for 3 log windows; off: a warning")
     early_stopping: int = _opt(0, min=0, doc="stop after this many validations without improvement (0 = off)")
     early_stopping_monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"))
     early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
