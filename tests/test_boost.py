@@ -3,6 +3,8 @@ import json
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -48,22 +50,86 @@ def test_pca_rows_are_orthonormal_and_capture_a_planted_subspace():
     assert (Q - P.T @ (P @ Q)).norm() / Q.norm() < 0.02
 
 
-def test_a_rejected_line_search_leaves_weights_and_B_unchanged():
+def _numpy_stage2(w, P, loss, grad, cfg, steps):
+    """The reference's equations (MindSpore boost.DimReduce; Li et al. 2022), written again in NumPy."""
+    n = P.shape[0]
+    B, s, g_prev, m = np.eye(n), np.zeros(n), None, np.zeros_like(w)
+    ws, ts = [], []
+    for _ in range(steps):
+        g, L0 = grad(w), loss(w)
+        gk = P @ g
+        if g_prev is not None:
+            y = gk - g_prev
+            if y @ s > 1e-20:
+                r = 1.0 / (y @ s)
+                T = np.eye(n) - r * np.outer(y, s)
+                B = T.T @ B @ T + r * np.outer(s, s)
+        g_prev = gk
+        d = -B @ gk
+        dn = P.T @ d
+        t = cfg.rho ** (cfg.max_search - 1)
+        for i in range(cfg.max_search):
+            if loss(w + cfg.rho ** i * dn) < L0 + cfg.sigma * cfg.rho ** i * (gk @ d):
+                t, s = cfg.rho ** i, cfg.rho ** i * d
+                break
+        m = cfg.gamma * m + g - P.T @ gk
+        w = w + t * dn - cfg.alpha * m
+        ws.append(w)
+        ts.append(t)
+    return ws, ts
+
+
+@pytest.mark.parametrize("problem", ["quadratic", "logistic"])
+def test_stage2_follows_the_reference_equations(problem):
+    rng = np.random.default_rng(3)
+    M, n = 24, 5
+    P = np.linalg.qr(rng.normal(size=(M, n)))[0].T  # n x M, orthonormal rows
+    if problem == "quadratic":
+        Q = np.linalg.qr(rng.normal(size=(M, M)))[0]
+        A, b = Q @ np.diag(np.linspace(0.5, 6.0, M)) @ Q.T, rng.normal(size=M)
+        loss = lambda w: 0.5 * w @ A @ w - b @ w  # noqa: E731
+        grad = lambda w: A @ w - b  # noqa: E731
+    else:
+        X, y = rng.normal(size=(60, M)), (rng.random(60) < 0.5).astype(float) * 2 - 1
+        loss = lambda w: np.mean(np.logaddexp(0.0, -y * (X @ w)))  # noqa: E731
+        grad = lambda w: X.T @ (-y / (1 + np.exp(y * (X @ w)))) / len(y)  # noqa: E731
+    cfg = SimpleNamespace(rho=0.55, sigma=0.4, gamma=0.9, alpha=0.01, max_search=3)
+    w0 = rng.normal(size=M)
+    want, want_t = _numpy_stage2(w0.copy(), P, loss, grad, cfg, 12)
+
+    p = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float32))
+    dr = boost.DimReduce([p], torch.tensor(P, dtype=torch.float32), cfg)
+    got, got_t = [], []
+    for _ in range(12):
+        w = p.detach().double().numpy()
+        p.grad = torch.tensor(grad(w), dtype=torch.float32)
+        out = dr.step(float(loss(w)), lambda: float(loss(p.detach().double().numpy())))
+        got.append(p.detach().double().numpy())
+        got_t.append(out["t"])
+    assert got_t == pytest.approx(want_t)
+    assert 0 < dr.accepted < dr.steps or problem == "logistic"  # the quadratic takes both branches of the search
+    for a, b_ in zip(got, want):
+        assert np.abs(a - b_).max() < 1e-4 * (1 + np.abs(b_).max())  # float32 against float64
+
+
+def test_when_no_step_size_passes_the_last_is_taken_and_s_is_kept():
     torch.manual_seed(2)
     lin = nn.Linear(5, 3)
     params = list(lin.parameters())
     M = sum(p.numel() for p in params)
     P = boost.fit_pca(torch.randn(10, M), 4)
-    dr = boost.DimReduce(params, P, DR)
+    cfg = SimpleNamespace(rho=0.55, sigma=0.4, gamma=0.9, alpha=0.0, max_search=3)
+    dr = boost.DimReduce(params, P, cfg)
     for p in params:
         p.grad = torch.randn_like(p)
-    dr.step(1.0, lambda: 0.5)  # accepted: builds a step s and g_prev
-    B_before, w_before = dr.B.clone(), boost.flat_params(params).clone()
+    first = dr.step(1.0, lambda: -1e9)  # passes at t = 1
+    s_before, w_before = dr.s.clone(), boost.flat_params(params).clone()
     for p in params:
         p.grad = torch.randn_like(p)
     out = dr.step(1.0, lambda: float("inf"))
-    assert not out["accepted"] and out["tries"] == 2
-    assert torch.equal(dr.B, B_before) and torch.equal(boost.flat_params(params), w_before)
+    assert first["accepted"] and not out["accepted"] and out["tries"] == 3 and out["t"] == pytest.approx(0.55 ** 2)
+    assert torch.equal(dr.s, s_before) and not torch.equal(boost.flat_params(params), w_before)  # it moved all the same
+    assert dr.stats.total["steps"] == 2 and dr.stats.total["passed"] == 1
 
 
 def test_trial_forwards_leave_batch_norm_statistics_alone():
@@ -127,3 +193,28 @@ def test_too_few_snapshots_and_bad_pca_are_clear(tmp_path):
     r = run_cli("train", *sets(*SYNTH, "boost.dim_reduce.enabled=true", f"boost.dim_reduce.pca_path={tmp_path / 'pca.pt'}"),
                 "--run-dir", str(tmp_path / "b"))
     assert r.returncode == 2 and "computed for other parameters" in r.stderr
+
+
+def test_stage2_reports_its_steps_per_epoch(tmp_path):
+    base, s1 = _stage1(tmp_path)
+    init = str(checkpoint.step_checkpoints(s1 / "checkpoints")[-1])  # the paper's setting: from stage 1's end
+    stage2 = base + ["train.epochs=2", "boost.dim_reduce.enabled=true", f"boost.dim_reduce.snapshots_dir={s1 / 'snapshots'}",
+                     f"finetune.init_from={init}"]
+    summary = api.train_config(load_config("mnist", stage2), tmp_path / "s2")
+    rows = [json.loads(l) for l in (tmp_path / "s2" / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = [r for r in rows if r["kind"] == "dim_reduce"]
+    assert [r["epoch"] for r in per_epoch] == [1, 2] and all(r["steps"] == 16 for r in per_epoch)
+    total = summary["dim_reduce"]
+    assert total["steps"] == 32 and total["passed"] == sum(r["passed"] for r in per_epoch)
+    assert sum(total["step_sizes"].values()) == 32 and set(total["step_sizes"]) <= {"1", "0.55", "0.3025"}
+    assert "% passed the Armijo test; step sizes" in (tmp_path / "s2" / "train.log").read_text()
+
+
+def test_snapshots_follow_the_stage1_length_and_impossible_counts_fail_before_training(tmp_path):
+    auto = SYNTH + ["boost.snapshots.enabled=true", "boost.dim_reduce.n_components=8", "boost.snapshots.keep=10",
+                    "train.epochs=1.5"]  # 16 steps an epoch: 24 steps for 10 snapshots
+    api.train_config(load_config("mnist", auto), tmp_path / "a")
+    assert len(boost.list_snapshots(tmp_path / "a" / "snapshots")) == 10
+    r = run_cli("train", *sets(*auto, "train.epochs=0.25"), "--run-dir", str(tmp_path / "b"))  # 4 steps: 5 snapshots at most
+    assert r.returncode == 2 and r.stderr.startswith("error: boost.snapshots: 5 snapshot(s) over steps 0..4")
+    assert not list((tmp_path / "b").glob("checkpoints/*.pt")) and "epoch 1 step" not in (tmp_path / "b" / "train.log").read_text()

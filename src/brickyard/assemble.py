@@ -118,10 +118,14 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
         own.append(bh.TestEvery(t.test_every, progress))
     if t.histograms_every:
         own.append(bh.Histograms(t.histograms_every, tb))
-    if run.config.boost.snapshots.enabled and run.is_main:
+    b = run.config.boost
+    if b.snapshots.enabled:
         named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
-        snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), run.config.boost.snapshots.keep, [n for n, _ in named])
-        own.append(bh.Snapshotting(snaps, run.config.boost.snapshots, [p for _, p in named]))
+        snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), b.snapshots.keep, [n for n, _ in named]) \
+            if run.is_main else None
+        own.append(bh.Snapshotting(snaps, b.snapshots, b.dim_reduce.n_components, [p for _, p in named]))
+    if isinstance(run.update, steps.DimReduceUpdate):
+        own.append(bh.Stage2Log(run.update.booster.stats, metrics))
     run.callbacks = CallbackList(own + list(extra))
     run.extras["manager"] = manager
     return run.callbacks

@@ -9,13 +9,15 @@ orthonormal rows.
 Stage 2, each step (``DimReduce.step``), with g the full gradient (already averaged across ranks
 by DDP) and L0 the loss averaged across ranks:
 
-1. gk = P g; if a previous step exists, y = gk - g_prev, s = previous low-dim step, and when
-   y.s > 1e-20 the inverse-Hessian estimate B (n x n, starts as I) gets a BFGS update; g_prev = gk.
+1. gk = P g; from the second step on, y = gk - g_prev, s = the last low-dim step that passed the
+   line search, and when y.s > 1e-20 the inverse-Hessian estimate B (n x n, starts as I) gets a
+   BFGS update; g_prev = gk.
 2. d = -B gk, dn = P^T d.
-3. Armijo backtracking on the same batch: t = 1, rho, rho^2, ... (``max_search`` tries); accept
-   the first t with L(w + t dn) <= L0 + sigma t gk.d. Trial forwards run in training mode and
-   restore batch-norm statistics afterwards. If no t is accepted, no subspace step is taken and
-   this step's B update is undone.
+3. Armijo backtracking on the same batch: t = 1, rho, rho^2 (``max_search`` = 3 tries, as the
+   reference); the first t with L(w + t dn) < L0 + sigma t gk.d passes and sets s = t d. When none
+   passes, the last t (rho^2) is taken all the same and s keeps the last step that passed (the
+   reference, ``DimReduce._line_search`` / ``_find_rho``). Trial forwards run in training mode and
+   restore batch-norm statistics afterwards.
 4. Residual momentum outside the subspace: m = gamma m + (g - P^T P g).
 5. w = w + t dn - alpha m.
 
@@ -139,6 +141,13 @@ def bfgs_update(B: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 class DimReduce:
+    """Stage 2, as MindSpore's ``boost.DimReduce`` does it (see the module docstring for the equations).
+
+    Where this differs from the reference, on purpose: the parameters are updated directly
+    (``w + t dn - alpha m``) instead of through an optimiser cell given ``-delta`` with rate 1 (the same
+    arithmetic), and ``P`` is held whole on every rank instead of split by rows across ranks (the
+    same ``gk``; one matrix-vector product instead of an all-gather)."""
+
     def __init__(self, params: list[torch.Tensor], P: torch.Tensor, cfg):
         self.params, self.cfg = params, cfg
         device = params[0].device
@@ -148,7 +157,15 @@ class DimReduce:
         self.g_prev: torch.Tensor | None = None
         self.s = torch.zeros(n, device=device)
         self.m = torch.zeros(m, device=device)
-        self.steps = self.accepted = 0  # for the log, not part of the method's state
+        self.stats = Stage2Stats()  # for the log; not part of the method's state
+
+    @property
+    def steps(self) -> int:
+        return self.stats.total["steps"]
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.total["passed"]
 
     def state_dict(self) -> dict:
         return {"B": self.B, "g_prev": self.g_prev, "s": self.s, "m": self.m}
@@ -163,32 +180,58 @@ class DimReduce:
         c = self.cfg
         g = flat_grads(self.params).float()
         gk = self.P @ g
-        b_before = self.B.clone()
-        if self.g_prev is not None:
+        if self.g_prev is not None:  # BFGS with the last step that passed the test (s is kept otherwise)
             self.B = bfgs_update(self.B, self.s, gk - self.g_prev)
         self.g_prev = gk
         d = -(self.B @ gk)
         dn = self.P.T @ d
         slope = float(gk @ d)
         w0 = flat_params(self.params)
-        t_ok, tries = 0.0, 0
-        for i in range(c.max_search):
-            t = c.rho ** i
-            set_flat(self.params, w0 + t * dn)
-            tries += 1
-            if trial_loss() <= loss0 + c.sigma * t * slope:
-                t_ok = t
+        sizes = [c.rho ** i for i in range(c.max_search)]
+        t, passed, loss_at = sizes[-1], False, None
+        for size in sizes:  # Armijo backtracking; when no size passes, the last one is taken all the same
+            set_flat(self.params, w0 + size * dn)
+            loss_at = trial_loss()
+            if loss_at < loss0 + c.sigma * size * slope:
+                t, passed = size, True
+                self.s = size * d
                 break
-        if t_ok == 0.0:
-            self.B = b_before
-            self.s = torch.zeros_like(self.s)
-        else:
-            self.s = t_ok * d
         self.m = c.gamma * self.m + (g - self.P.T @ gk)
-        set_flat(self.params, w0 + t_ok * dn - c.alpha * self.m)
-        self.steps += 1
-        self.accepted += t_ok > 0
-        return {"t": t_ok, "tries": tries, "accepted": t_ok > 0}
+        set_flat(self.params, w0 + t * dn - c.alpha * self.m)
+        self.stats.add(t, passed, loss0, loss_at)
+        return {"t": t, "tries": sizes.index(t) + 1, "accepted": passed, "loss_before": loss0, "loss_after": loss_at}
+
+
+class Stage2Stats:
+    """Per epoch and in total: subspace steps, how many passed the Armijo test, the step sizes taken,
+    and the mean loss before the step and at the subspace point it moved to."""
+
+    def __init__(self):
+        self.total = self._empty()
+        self.epoch = self._empty()
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"steps": 0, "passed": 0, "sizes": {}, "loss_before": 0.0, "loss_after": 0.0}
+
+    def add(self, t: float, passed: bool, before: float, after: float) -> None:
+        for d in (self.total, self.epoch):
+            d["steps"] += 1
+            d["passed"] += int(passed)
+            key = f"{t:.6g}"
+            d["sizes"][key] = d["sizes"].get(key, 0) + 1
+            d["loss_before"] += before
+            d["loss_after"] += after
+
+    @staticmethod
+    def summary(d: dict) -> dict:
+        n = max(d["steps"], 1)
+        return {"steps": d["steps"], "passed": d["passed"], "passed_fraction": round(d["passed"] / n, 4),
+                "step_sizes": dict(d["sizes"]), "loss_before": d["loss_before"] / n, "loss_after": d["loss_after"] / n}
+
+    def end_epoch(self) -> dict:
+        out, self.epoch = self.summary(self.epoch), self._empty()
+        return out
 
 
 def make_trial_loss(model: nn.Module, x, y, n_global: int, loss_sum, autocast, group=None):

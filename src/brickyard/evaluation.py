@@ -57,6 +57,8 @@ def finish(run, progress, wall_start: float) -> dict:
     summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
                "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
                "not_learning": run.extras.get("not_learning")}
+    if "dim_reduce" in run.extras:
+        summary["dim_reduce"] = run.extras["dim_reduce"]
     last_val = run.extras.get("last_val")
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])

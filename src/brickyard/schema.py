@@ -176,7 +176,7 @@ class FinetuneConfig:
 class SnapshotConfig:
     enabled: bool = _opt(False, doc="save flattened trainable parameters during training (stage 1)")
     start_epoch: float = _opt(0.0, min=0.0, doc="first epoch to take snapshots in (0 includes the initial weights)")
-    every_steps: int = _opt(50, min=0, doc="steps between snapshots (0 = once per epoch)")
+    every_steps: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="steps between snapshots; auto: spread keep of them over the epochs from start_epoch on; 0 = once per epoch")
     keep: int = _opt(40, min=2, doc="snapshots kept (must exceed dim_reduce.n_components)")
 
 
@@ -188,7 +188,7 @@ class DimReduceConfig:
     sigma: float = _opt(0.4, min=0.0, max=1.0, doc="Armijo sufficient-decrease constant")
     gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
     alpha: float = _opt(0.001, min=0.0, doc="residual momentum step size")
-    max_search: int = _opt(2, min=1, doc="line-search trials per step")
+    max_search: int = _opt(3, min=1, doc="line-search step sizes tried per step: 1, rho, rho^2 (the reference: 3)")
     snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
     pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
 

@@ -154,7 +154,7 @@ class DimReduceUpdate:
         self.booster.step(loss0, trial)
 
     def describe(self) -> str:
-        return f", subspace steps accepted {self.booster.accepted}/{self.booster.steps}"
+        return f", subspace steps that passed the Armijo test {self.booster.accepted}/{self.booster.steps}"
 
     def state_dict(self) -> dict | None:
         return self.booster.state_dict()
