@@ -14,6 +14,8 @@ if "BRICKYARD_DATA" not in os.environ and SHARED.is_dir():
 # `precision: auto` picks bf16 on CPUs with AVX-512-BF16, and the equality tests compare at fp32 tolerance
 SYNTH = [
     "train.precision=fp32",
+    # the optimiser these tests were written for (the default recipe is Adam with label smoothing)
+    "optim.name=nesterov", "optim.weight_decay=0.0005", "optim.label_smoothing=0",
     "data.name=synthetic", "data.synthetic.num_train=512", "data.synthetic.num_val=128",
     "data.synthetic.num_test=128", "data.batch_size=32", "model.name=mlp", "train.device=cpu",
     "train.progress=none", "train.threads=1", "optim.lr=0.05",

@@ -13,7 +13,7 @@ from conftest import SYNTH, run_cli, sets
 
 IF = ["data.name=imagefolder", "data.train_transforms=[resize:28x28]", "data.eval_transforms=[resize:28x28]",
       "data.normalize=mnist", "model.name=mnist_cnn", "train.device=cpu", "train.progress=none", "data.num_workers=1",
-      "train.precision=fp32"]
+      "train.precision=fp32", "optim.name=nesterov", "optim.weight_decay=0.0005", "optim.label_smoothing=0"]
 
 
 @pytest.fixture(scope="module")
