@@ -231,3 +231,19 @@ def test_brickyard_run_launches_a_user_script(tmp_path, devices):
         assert (tmp_path / "run" / "logs" / "workerlog.1").is_file()
     assert (tmp_path / "run" / "summary.json").is_file()
     assert len([p for p in (tmp_path / "run" / "checkpoints").glob("step-*.pt")]) >= 1
+
+
+def test_fit_under_plain_torchrun(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "mine.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(script),
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = [json.loads((tmp_path / f"out.{k}").read_text()) for k in range(2)]
+    assert results[0]["calls"] == results[1]["calls"] and results[0]["world"] == 2
+    runs = list((tmp_path / "runs").iterdir())  # fit's default run directory, one for both ranks
+    assert len(runs) == 1 and (runs[0] / "summary.json").is_file()

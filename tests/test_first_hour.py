@@ -114,7 +114,7 @@ def test_input_bound_advice_fits_the_loader():
     for hint in (None, "try more data.num_workers"):
         run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, totals=Totals(), data_world=1,
                  update=object(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
-                 train_loss=None, log=NS(info=lambda line, console=True: lines.append(line)))
+                 train_loss=None, extras={}, log=NS(info=lambda line, console=True: lines.append(line)))
         log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint)
         log.on_epoch_start(run)
         run.totals.count, run.data_wait = 8, 1.0  # the whole window spent waiting for data

@@ -60,7 +60,7 @@ def test_a_per_device_batch_is_what_the_user_asked_for_and_says_so(tmp_path):
     assert "global batch 64 (32 per device x 2 x 1 accumulation)" in r.stdout
     assert "data.batch_size 32 per device: the global batch grows with the world size (32 on one device, 64 on 2); " \
            "the peak rate stays 0.05 (dist.scale_lr: linear would make it 0.1)" in r.stdout
-    assert load_config("mnist").data.global_batch_size == 128 and load_config("mnist", ["data.batch_size=64"]).data.global_batch_size == 0
+    assert load_config("mnist").data.global_batch_size == 256 and load_config("mnist", ["data.batch_size=64"]).data.global_batch_size == 0
 
 
 def test_bad_global_batches_are_one_line_and_write_nothing(tmp_path):
