@@ -3,7 +3,8 @@ constant rate); per model and seed:
 
   (a) E epochs of stage 1, snapshots over its second half (the paper's setting: the subspace comes
       from the later part of the trajectory), then k epochs of stage 2 (P-BFGS, 32 dims) from stage
-      1's end
+      1's end, as the reference does it (a failed line search still takes the last step size)
+  (a') the same with boost.dim_reduce.failed_search: skip (brickyard's option)
   (b) E + k epochs of the stage-1 optimiser             (equal epochs)
   (c) the stage-1 optimiser for as long as (a) trained   (equal wall time: train.max_time_s)
 
@@ -26,6 +27,7 @@ import torch
 from brickyard.api import train_config
 from brickyard.checkpoint import step_checkpoints
 from brickyard.config import load_config
+from brickyard.errors import BrickyardError
 
 QUIET = ["train.progress=none", "train.plots=false", "train.tensorboard=false", "train.device=cpu", "train.eval_every=0",
          "train.precision=fp32"]
@@ -36,11 +38,18 @@ def one_seed(tmp: Path, preset: str, model: str, seed: int, e: float, k: float) 
     s1_dir = tmp / f"{model}-s1-{seed}"
     s1 = train_config(load_config(preset, common + [f"train.epochs={e}", "boost.snapshots.enabled=true",
                                                     f"boost.snapshots.start_epoch={e / 2}"]), s1_dir)
-    s2 = train_config(load_config(preset, common + [
-        f"train.epochs={k}", "boost.dim_reduce.enabled=true", f"boost.dim_reduce.snapshots_dir={s1_dir / 'snapshots'}",
-        f"finetune.init_from={step_checkpoints(s1_dir / 'checkpoints')[-1]}"]), tmp / f"{model}-s2-{seed}")
-    a_secs = s1["train_seconds"] + s2["train_seconds"]
-    out = {"a": (s2["test_accuracy"], a_secs, s2["dim_reduce"]["passed_fraction"])}
+    out = {}
+    for key, policy in (("a", "take"), ("a'", "skip")):
+        try:
+            s2 = train_config(load_config(preset, common + [
+                f"train.epochs={k}", "boost.dim_reduce.enabled=true", f"boost.dim_reduce.snapshots_dir={s1_dir / 'snapshots'}",
+                f"boost.dim_reduce.failed_search={policy}", f"finetune.init_from={step_checkpoints(s1_dir / 'checkpoints')[-1]}"]),
+                tmp / f"{model}-s2{policy}-{seed}")
+            out[key] = (s2["test_accuracy"], s1["train_seconds"] + s2["train_seconds"], s2["dim_reduce"]["passed_fraction"])
+        except BrickyardError as e:  # the reference's policy can diverge: the NaN guard says where
+            print(f"{model} seed {seed} ({key}): {e}", flush=True)
+            out[key] = (float("nan"), float("nan"), float("nan"))
+    a_secs = out["a'"][1]
     for key, extra in (("b", [f"train.epochs={e + k}"]),
                        ("c", ["train.epochs=1000", f"train.max_time_s={max(1.0, a_secs - s1['train_seconds']):.1f}"])):
         d = tmp / f"{model}-{key}-{seed}"
@@ -59,23 +68,29 @@ def main(argv=None):
     p.add_argument("--stage2", type=float, default=1.0, help="k: stage-2 epochs")
     a = p.parse_args(argv)
     e, k = a.stage1, a.stage2
-    names = {"a": f"{e:g} SGD + {k:g} P-BFGS", "b": f"{e + k:g} SGD (equal epochs)", "c": "SGD for (a)'s time"}
+    names = {"a": f"{e:g} SGD + {k:g} P-BFGS (ref.)", "a'": f"{e:g} SGD + {k:g} P-BFGS (skip)",
+             "b": f"{e + k:g} SGD (equal epochs)", "c": "SGD for (a')'s time"}
     print(f"{a.preset}, {a.seeds} seeds, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
           f"torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models:
-            rows = {key: [] for key in "abc"}
+            rows = {key: [] for key in ("a", "a'", "b", "c")}
             for seed in range(a.seeds):
                 for key, v in one_seed(Path(tmp), a.preset, model, seed, e, k).items():
                     rows[key].append(v)
                 print(f"{model} seed {seed}: " + ", ".join(f"({key}) {v[-1][0]:.4f} in {v[-1][1]:.0f} s" for key, v in rows.items()),
                       flush=True)
             for key, v in rows.items():
-                acc, secs = [x[0] for x in v], [x[1] for x in v]
+                done = [x for x in v if x[0] == x[0]]  # not diverged
+                if not done:
+                    print(f"{model:<10} ({key}) {names[key]:<28} diverged in every seed")
+                    continue
+                acc, secs = [x[0] for x in done], [x[1] for x in done]
                 spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
-                note = (f"; {100 * statistics.mean(x[2] for x in v):.0f}% of subspace steps passed the Armijo test"
-                        if key == "a" else f"; {statistics.mean(x[2] for x in v):.2f} epochs")
-                print(f"{model:<10} ({key}) {names[key]:<24} test acc {100 * statistics.mean(acc):.2f}% +- "
+                note = (f"; {100 * statistics.mean(x[2] for x in done):.0f}% of subspace steps passed the Armijo test"
+                        if key.startswith("a") else f"; {statistics.mean(x[2] for x in done):.2f} epochs")
+                note += f"; diverged in {len(v) - len(done)} of {len(v)} seeds" if len(done) < len(v) else ""
+                print(f"{model:<10} ({key}) {names[key]:<28} test acc {100 * statistics.mean(acc):.2f}% +- "
                       f"{100 * spread:.2f} (min {100 * min(acc):.2f}); training {statistics.mean(secs):.0f} s{note}")
 
 

@@ -218,3 +218,17 @@ def test_snapshots_follow_the_stage1_length_and_impossible_counts_fail_before_tr
     r = run_cli("train", *sets(*auto, "train.epochs=0.25"), "--run-dir", str(tmp_path / "b"))  # 4 steps: 5 snapshots at most
     assert r.returncode == 2 and r.stderr.startswith("error: boost.snapshots: 5 snapshot(s) over steps 0..4")
     assert not list((tmp_path / "b").glob("checkpoints/*.pt")) and "epoch 1 step" not in (tmp_path / "b" / "train.log").read_text()
+
+
+def test_failed_search_skip_takes_no_subspace_step():
+    torch.manual_seed(2)
+    lin = nn.Linear(5, 3)
+    params = list(lin.parameters())
+    P = boost.fit_pca(torch.randn(10, sum(p.numel() for p in params)), 4)
+    dr = boost.DimReduce(params, P, SimpleNamespace(rho=0.55, sigma=0.4, gamma=0.9, alpha=0.0, max_search=3,
+                                                    failed_search="skip"))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = boost.flat_params(params).clone()
+    out = dr.step(1.0, lambda: float("inf"))
+    assert out["t"] == 0.0 and not out["accepted"] and torch.equal(boost.flat_params(params), before)

@@ -143,6 +143,10 @@ def bfgs_update(B: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> torch.Tens
 class DimReduce:
     """Stage 2, as MindSpore's ``boost.DimReduce`` does it (see the module docstring for the equations).
 
+    ``failed_search: skip`` is brickyard's option, not the reference's: when no step size passes, no
+    subspace step is taken (the residual momentum still moves). With the reference's ``take``, stage 2
+    of the course network on MNIST diverged within 10 steps here (benchmarks/dim_reduce.py).
+
     Where this differs from the reference, on purpose: the parameters are updated directly
     (``w + t dn - alpha m``) instead of through an optimiser cell given ``-delta`` with rate 1 (the same
     arithmetic), and ``P`` is held whole on every rank instead of split by rows across ranks (the
@@ -196,10 +200,13 @@ class DimReduce:
                 t, passed = size, True
                 self.s = size * d
                 break
+        if not passed and getattr(c, "failed_search", "take") == "skip":
+            t, loss_at = 0.0, loss0  # brickyard's option, not the reference's: no subspace step on a failed search
         self.m = c.gamma * self.m + (g - self.P.T @ gk)
         set_flat(self.params, w0 + t * dn - c.alpha * self.m)
         self.stats.add(t, passed, loss0, loss_at)
-        return {"t": t, "tries": sizes.index(t) + 1, "accepted": passed, "loss_before": loss0, "loss_after": loss_at}
+        tries = sizes.index(t) + 1 if passed else len(sizes)
+        return {"t": t, "tries": tries, "accepted": passed, "loss_before": loss0, "loss_after": loss_at}
 
 
 class Stage2Stats:
@@ -218,7 +225,7 @@ class Stage2Stats:
         for d in (self.total, self.epoch):
             d["steps"] += 1
             d["passed"] += int(passed)
-            key = f"{t:.6g}"
+            key = f"{t:.6g}"  # 0: a failed search skipped (failed_search: skip)
             d["sizes"][key] = d["sizes"].get(key, 0) + 1
             d["loss_before"] += before
             d["loss_after"] += after

@@ -189,6 +189,7 @@ class DimReduceConfig:
     gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
     alpha: float = _opt(0.001, min=0.0, doc="residual momentum step size")
     max_search: int = _opt(3, min=1, doc="line-search step sizes tried per step: 1, rho, rho^2 (the reference: 3)")
+    failed_search: str = _opt("take", choices=("take", "skip"), doc="when no step size passes the Armijo test: take the last (the reference) or skip the subspace step")
     snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
     pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
 

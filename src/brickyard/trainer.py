@@ -64,16 +64,18 @@ def _loop(run: Run, cbs) -> None:
         if run.interrupted:
             break
         if run.step % run.steps_per_epoch == 0 or run.step >= run.total_steps or run.stopped:  # an epoch ends
+            _agree_on_stop(run)  # a request made during the epoch (a time limit on one rank)
             if _validation_due(run):
                 _validate(run, cbs)
-            _agree_on_stop(run)
+                _agree_on_stop(run)  # a decision on the validation metrics (early stopping)
             cbs.on_epoch_end(run)
     cbs.on_loop_end(run)
 
 
 def _validation_due(run: Run) -> bool:
+    """Every ``train.eval_every`` epochs and at the end; decided on what all ranks agree on only."""
     every = run.config.train.eval_every
-    ended = run.step >= run.total_steps or run.stop_request is not None or run.stopped is not None
+    ended = run.step >= run.total_steps or run.stopped is not None
     return run.data.val is not None and ((every and math.ceil(run.step / run.steps_per_epoch) % every == 0) or ended)
 
 
