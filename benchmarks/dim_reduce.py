@@ -46,8 +46,8 @@ def one_seed(tmp: Path, preset: str, model: str, seed: int, e: float, k: float) 
                 f"boost.dim_reduce.failed_search={policy}", f"finetune.init_from={step_checkpoints(s1_dir / 'checkpoints')[-1]}"]),
                 tmp / f"{model}-s2{policy}-{seed}")
             out[key] = (s2["test_accuracy"], s1["train_seconds"] + s2["train_seconds"], s2["dim_reduce"]["passed_fraction"])
-        except BrickyardError as e:  # the reference's policy can diverge: the NaN guard says where
-            print(f"{model} seed {seed} ({key}): {e}", flush=True)
+        except BrickyardError as err:  # the reference's policy can diverge: the NaN guard says where
+            print(f"{model} seed {seed} ({key}): {err}", flush=True)
             out[key] = (float("nan"), float("nan"), float("nan"))
     a_secs = out["a'"][1]
     for key, extra in (("b", [f"train.epochs={e + k}"]),
