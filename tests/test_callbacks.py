@@ -200,6 +200,8 @@ SCRIPT = textwrap.dedent('''
                 run.stop("rank 1 had enough")  # one rank only: the others must follow
         def on_train_end(self, run, summary): self.calls.append(f"end {run.step}")
 
+    if os.environ.get("OWN_GROUP"):  # the caller's own process group: fit must use it and leave it
+        torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
     x = torch.randn(200, 2)
     y = (x[:, 0] > 0).long()
@@ -210,7 +212,8 @@ SCRIPT = textwrap.dedent('''
     summary = brickyard.fit(model, (x, y), val_data=(x, y), config=cfg, callbacks=[cb])
     out = sys.argv[1]
     with open(f"{out}.{os.environ['RANK']}", "w") as f:
-        json.dump({"calls": cb.calls, "world": summary["world_size"], "steps": summary["steps"]}, f)
+        json.dump({"calls": cb.calls, "world": summary["world_size"], "steps": summary["steps"],
+                   "group_alive": torch.distributed.is_initialized()}, f)
 ''')
 
 
@@ -226,6 +229,8 @@ def test_brickyard_run_launches_a_user_script(tmp_path, devices):
     assert results[0]["calls"] == results[-1]["calls"]  # every rank: the same hooks, the same metrics
     calls = results[0]["calls"]
     assert calls[0] == "train_start" and calls[-1].startswith("end")
+    if world == 2:
+        assert not any(x["group_alive"] for x in results)  # the group fit made, fit ended
     if world == 2:  # rank 1 asked to stop at step 9; the ranks agreed on one step, within 20
         assert 9 < results[0]["steps"] <= 30 and results[0]["steps"] == results[1]["steps"]
         assert (tmp_path / "run" / "logs" / "workerlog.1").is_file()
@@ -241,9 +246,10 @@ def test_fit_under_plain_torchrun(tmp_path):
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(script),
                         str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "OWN_GROUP": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     results = [json.loads((tmp_path / f"out.{k}").read_text()) for k in range(2)]
     assert results[0]["calls"] == results[1]["calls"] and results[0]["world"] == 2
+    assert all(x["group_alive"] for x in results)  # the script's own group outlives fit
     runs = list((tmp_path / "runs").iterdir())  # fit's default run directory, one for both ranks
     assert len(runs) == 1 and (runs[0] / "summary.json").is_file()

@@ -1,0 +1,47 @@
+"""The checks of a config that involve several keys (or a key's inner syntax), run when it is built:
+before any process starts, data loads or training begins. ``cross_check(cfg)`` raises ``ConfigError``."""
+from __future__ import annotations
+
+from brickyard.errors import ConfigError
+
+
+_SIZED = ("resize", "center_crop", "random_resized_crop")
+
+
+def _check_transform(key: str, spec) -> None:
+    name, _, arg = str(spec).partition(":")
+    if name in ("hflip", "grayscale", "rgb") and not arg:
+        return
+    dims = arg.split("x")
+    if name in _SIZED and 1 <= len(dims) <= 2 and all(d.isdigit() and int(d) > 0 for d in dims):
+        return
+    raise ConfigError(f"{key}: transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S "
+                      f"(S a size like 224 or 28x28), hflip, grayscale, rgb.")
+
+
+def cross_check(cfg) -> None:
+    """The checks that involve several keys, when the config is built: before any process starts,
+    data loads or training begins."""
+    b, o = cfg.boost, cfg.optim
+    if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
+        raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    for key in ("train_transforms", "eval_transforms"):
+        specs = tuple(getattr(cfg.data, key))
+        if specs != ("auto",):
+            for spec in specs:
+                _check_transform(f"data.{key}", spec)
+    g, accum = cfg.data.global_batch_size, cfg.train.grad_accum
+    if g and g % accum:
+        raise ConfigError(f"data.global_batch_size: {g} is not divisible by train.grad_accum ({accum}); "
+                          f"each accumulation step takes an equal share.")
+    if b.dim_reduce.enabled and cfg.train.grad_accum != 1:
+        raise ConfigError("boost.dim_reduce works with train.grad_accum: 1 (the line search needs one batch per step).")
+    if (b.dim_reduce.enabled or b.snapshots.enabled) and not b.dim_reduce.pca_path and b.snapshots.keep <= b.dim_reduce.n_components:
+        raise ConfigError(f"boost.snapshots.keep: {b.snapshots.keep} must exceed boost.dim_reduce.n_components "
+                          f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
+    if b.dim_reduce.enabled and cfg.dist.mode == "ps":
+        raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
+    stops = [k for k, on in (("train.early_stopping", cfg.train.early_stopping), ("train.max_time_s", cfg.train.max_time_s)) if on]
+    if stops and cfg.dist.mode == "ps" and cfg.dist.ps.sync:
+        raise ConfigError(f"{stops[0]}: a synchronous parameter-server run cannot stop before its last step yet; "
+                          f"use dist.mode: collective.")
