@@ -192,17 +192,22 @@ def launch_script(args) -> int:
     if not script.is_file():
         raise BrickyardError(f"script {script} does not exist.")
     job = Job.from_args(args, args.timeout)
-    if args.run_dir:
-        os.environ["BRICKYARD_RUN_DIR"] = str(Path(args.run_dir).resolve())
-    log_dir = Path(args.log_dir or (Path(args.run_dir) / "logs" if args.run_dir else "runs/logs")).resolve()
-    os.environ["BRICKYARD_LOG_DIR"] = str(log_dir)
+    run_dir = args.run_dir
+    if not run_dir and job.max_restarts:  # a restarted script must find the run it resumes
+        from brickyard.runlog import default_run_dir
+        run_dir = str(default_run_dir(script.stem))
+    if run_dir:
+        os.environ["BRICKYARD_RUN_DIR"] = str(Path(run_dir).resolve())
+    log_dir = args.log_dir or (Path(run_dir) / "logs" if run_dir else None)  # None: fit's RUN_DIR/logs
+    if log_dir is not None:
+        os.environ["BRICKYARD_LOG_DIR"] = str(Path(log_dir).resolve())
     os.environ["BRICKYARD_DEVICE"] = job.device
     if job.max_restarts:
         os.environ["BRICKYARD_RESUME"] = "auto"
-    return run_torchrun(job, [str(script), *args.script_args], log_dir)
+    return run_torchrun(job, [str(script), *args.script_args], Path(log_dir) if log_dir else None)
 
 
-def run_torchrun(job: Job, worker: list[str], log_dir: Path, note: str = "") -> int:
+def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = "") -> int:
     """``torchrun ... WORKER...`` in this process (``-m brickyard train ...`` or a script); failures
     become one sentence."""
     env_threads = max(1, (os.cpu_count() or 1) // job.nproc) if job.device == "cpu" else 1
@@ -218,7 +223,7 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path, note: str = "") -> 
             logging.getLogger(name).setLevel(logging.CRITICAL)
     targv = torchrun_argv(job) + worker
     print(f"launching {job.world} processes ({job.nproc} per node x {job.nnodes} node(s), {job.device}) with torchrun; "
-          f"{note}logs in {log_dir}", flush=True)
+          f"{note}logs in {log_dir or 'the run directory'}", flush=True)
     try:
         torchrun.run(torchrun.parse_args(targv))
     except SignalException:  # the launcher was stopped (SIGTERM, SIGHUP): torchrun passed the signal to the
@@ -228,7 +233,8 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path, note: str = "") -> 
         code = failure.exitcode
         if code in (2, 130):
             return code  # a user error or an interruption: rank 0 has already said it in one line
-        raise BrickyardError(f"worker rank {rank} failed with exit code {code}; see {log_dir}/workerlog.{rank} "
+        where = f"{log_dir}/workerlog.{rank}" if log_dir else "its output above and the run directory's logs"
+        raise BrickyardError(f"worker rank {rank} failed with exit code {code}; see {where} "
                              f"(restarts used: {job.max_restarts}).") from None
     except Exception as e:  # rendezvous failures and timeouts come as several torch exception types
         name = type(e).__name__

@@ -120,7 +120,8 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
 def from_user(train, val=None, test=None, num_classes: int | None = None) -> DataBundle:
     """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or a Dataset of pairs.
 
-    Inputs may be N x anything: images (N x C x H x W, or N x H x W for one channel), points, signals.
+    Inputs may be N x anything: images (N x C x H x W; N x H x W tensors are taken as one-channel
+    images), points, signals (as a Dataset when they are 3-D).
     Integer labels are classes (``num_classes`` from the largest label unless given); float labels
     are regression targets."""
     splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
@@ -151,8 +152,8 @@ def _user_split(data, name: str) -> Split | None:
         return data
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         inputs, labels = data
-        if inputs.dim() == 3 and inputs.dtype == torch.uint8:
-            inputs = inputs.unsqueeze(1)  # N x H x W grey images
+        if inputs.dim() == 3:
+            inputs = inputs.unsqueeze(1)  # N x H x W: one-channel images (a Dataset keeps other 3-D inputs as they are)
         if inputs.dim() < 1 or len(inputs) != len(labels):
             raise DataError(f"{name}: expected N inputs and N labels, got {tuple(inputs.shape)} and {tuple(labels.shape)}.")
         return Split(inputs, labels if labels.is_floating_point() else labels.long())
