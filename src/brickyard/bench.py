@@ -4,9 +4,11 @@ One process (or one torchrun job) runs ``warmup`` untimed steps, then ``steps`` 
 passes over the same loop, synchronising the device at phase boundaries (bench only; training
 never does this):
 
-- pass A, gradients *not* synchronised (DDP ``no_sync``): data wait, forward+backward, optimiser;
-- pass B, the real step: the extra forward+backward time over pass A is the gradient
-  synchronisation that the all-reduce could not hide behind the backward pass.
+- pass A, gradients *not* synchronised (DDP ``no_sync``): data wait, forward+backward, optimiser,
+  and, with several processes, the wait for the slower rank (a barrier) and the gradient
+  all-reduce alone (one flat buffer), timed apart;
+- pass B, the real step (throughput is measured on it); its difference from the sum of pass A's
+  parts is DDP's own work (hooks, bucket copies) less the all-reduce it overlaps with the backward.
 
 Throughput is the median (min, max) over windows of pass B; warm-up is excluded. Several device
 specs run as separate jobs, and speed-up and scaling efficiency are computed against the first.
@@ -78,23 +80,28 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
 
         for s in range(warmup):
             one_step(s, True)
-        # the all-reduce is what pass B (synchronising) spends over pass A (DDP's no_sync); one process has
-        # no all-reduce, so it runs pass B alone
+        # pass A (DDP's no_sync) times forward+backward without the all-reduce, then the wait for the
+        # slower rank and the all-reduce apart; pass B is the real step. One process runs pass B alone.
         a = [one_step(warmup + s, False) for s in range(steps)] if ddp is not model else None
         b = [one_step(warmup + s, True) for s in range(steps)]
         loader.close()
         med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
         data_wait, opt_step = med(b, 0), med(b, 2)
         compute = med(a, 1) if a is not None else med(b, 1)
-        sync = max(0.0, med(b, 1) - compute)
-        step_time = data_wait + med(b, 1) + opt_step
+        wait, sync = (med(a, 4), med(a, 5)) if a is not None else (0.0, 0.0)
+        # the parts are timed apart (pass A, then the wait and the all-reduce alone), so they add up to
+        # `total`; `ddp_step` is DDP's real step (pass B), whose difference from `total` is DDP's own
+        # work (hooks, bucket copies) less what its all-reduce overlapped with the backward pass
+        step_time = data_wait + compute + wait + sync + opt_step
+        ddp_step = data_wait + med(b, 1) + opt_step
         windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
         ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for w_ in [w] for r in w_) for w in windows]
         result = {
             "images_per_second": statistics.median(ips), "images_per_second_min": min(ips), "images_per_second_max": max(ips),
             "seconds_per_epoch": len(data.train) / statistics.median(ips),
-            "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * sync,
-                        "optimizer": 1e3 * opt_step, "total": 1e3 * step_time},
+            "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "rank_wait": 1e3 * wait,
+                        "grad_sync": 1e3 * sync, "optimizer": 1e3 * opt_step, "total": 1e3 * step_time,
+                        "ddp_step": 1e3 * ddp_step},
             "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
             "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(device), "precision": precision,
             "channels_last": channels_last, "threads_per_process": threads, "loader": type(loader).__name__,
@@ -106,8 +113,10 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         dist.shutdown()
 
 
-def _timed_step(job, step: int, comm: bool) -> tuple[float, float, float, int]:
-    """One step timed in three phases (data, forward+backward, optimiser); ``comm=False`` skips the all-reduce."""
+def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
+    """One step timed in three phases (data, forward+backward, optimiser); ``comm=False`` skips DDP's
+    all-reduce and, with several processes, then times apart the wait for the slower rank (a barrier)
+    and the gradient all-reduce alone (one flat buffer, as DDP's buckets together)."""
     t0 = time.perf_counter()
     x, y, n_global, offset = next(job.batches)
     x = job.prep(x, step, n_global, offset)
@@ -119,11 +128,21 @@ def _timed_step(job, step: int, comm: bool) -> tuple[float, float, float, int]:
         loss.backward()
     _sync(job.device)
     t2 = time.perf_counter()
+    wait = allreduce = 0.0
+    if not comm and job.ddp is not job.model:
+        import torch.distributed as tdist
+        tdist.barrier()
+        t_wait = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in job.model.parameters() if p.grad is not None])
+        tdist.all_reduce(flat)
+        _sync(job.device)
+        wait, allreduce = t_wait - t2, time.perf_counter() - t_wait
+    t3 = time.perf_counter()
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     _sync(job.device)
-    t3 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, len(y)
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t4 - t3, len(y), wait, allreduce
 
 
 def _endless(loader):
@@ -138,8 +157,10 @@ def verdict(r: dict) -> str:
     total = max(ms["total"], 1e-9)
     if ms["data_wait"] / total > INPUT_BOUND:
         return f"input-bound: {100 * ms['data_wait'] / total:.0f}% of each step waits for data (> {100 * INPUT_BOUND:.0f}%)"
+    if ms.get("rank_wait", 0.0) / total > COMM_BOUND:
+        return f"imbalance-bound: {100 * ms['rank_wait'] / total:.0f}% of each step waits for the slower rank"
     if ms["grad_sync"] / total > COMM_BOUND:
-        return f"communication-bound: {100 * ms['grad_sync'] / total:.0f}% of each step is un-hidden gradient all-reduce"
+        return f"communication-bound: the gradient all-reduce is {100 * ms['grad_sync'] / total:.0f}% of a step"
     return f"compute-bound: forward+backward is {100 * ms['forward_backward'] / total:.0f}% of each step"
 
 
@@ -152,7 +173,10 @@ def format_result(r: dict) -> str:
         f"images/s {r['images_per_second']:,.0f} (min {r['images_per_second_min']:,.0f}, max {r['images_per_second_max']:,.0f}), "
         f"{r['seconds_per_epoch']:.1f} s/epoch, {mem}",
         f"step {ms['total']:.1f} ms = data wait {ms['data_wait']:.1f} + forward/backward {ms['forward_backward']:.1f} "
-        f"+ gradient sync {ms['grad_sync']:.1f} + optimiser {ms['optimizer']:.1f}",
+        f"+ waiting for the slower rank {ms.get('rank_wait', 0.0):.1f} + gradient sync (the all-reduce) {ms['grad_sync']:.1f} "
+        f"+ optimiser {ms['optimizer']:.1f}, each timed apart"
+        + (f"; DDP's real step {ms['ddp_step']:.1f} ms ({ms['ddp_step'] - ms['total']:+.1f}: its hooks and bucket copies, "
+           f"less the all-reduce it overlaps with the backward pass)" if r["world_size"] > 1 else ""),
         f"verdict: {r['verdict']}",
     ])
 
