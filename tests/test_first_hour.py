@@ -103,6 +103,7 @@ def test_input_bound_advice_fits_the_loader():
     import time
     from types import SimpleNamespace as NS
     from brickyard.behaviours import ProgressLog
+    from brickyard.steps import Update
 
     class Totals:
         count, classify = 0, True
@@ -113,7 +114,7 @@ def test_input_bound_advice_fits_the_loader():
     lines = []
     for hint in (None, "try more data.num_workers"):
         run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, totals=Totals(), data_world=1,
-                 update=object(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
+                 update=Update(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
                  train_loss=None, extras={}, log=NS(info=lambda line, console=True: lines.append(line)))
         log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint)
         log.on_epoch_start(run)

@@ -112,7 +112,7 @@ def _pick_checkpoint(path: Path) -> Path:
 def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
     from brickyard import device as dev
     from brickyard.data.augment import DevicePrep
-    from brickyard.trainer import evaluate
+    from brickyard.evaluation import evaluate
     path = _pick_checkpoint(Path(path))
     model, state, cfg = load_checkpoint_model(path)
     data = build_data(cfg.data)

@@ -89,11 +89,16 @@ def _update_strategy(run: Run, layout, groups, ps_group):
         params = [p for g in groups for p in g["params"]]
         return steps.ParameterServerUpdate(ps.Client(params, layout, cfg.dist.ps.sync, ps_group))
     if cfg.boost.dim_reduce.enabled:
-        named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+        named = _trainable(run.model)
         P = boost.resolve_subspace(cfg, run.run_dir, [n for n, _ in named], sum(p.numel() for _, p in named), run.log)
         run.log.info(f"dimension-reduction stage 2: {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
         return steps.DimReduceUpdate(boost.DimReduce([p for _, p in named], P, cfg.boost.dim_reduce))
     return steps.OptimizerUpdate()
+
+
+def _trainable(model) -> list:
+    """(name, parameter) of what the optimiser trains: the order of boost's snapshots and subspace."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _check_image_features(cfg, data) -> None:
@@ -120,7 +125,7 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
         own.append(bh.Histograms(t.histograms_every, tb))
     b = run.config.boost
     if b.snapshots.enabled:
-        named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+        named = _trainable(run.model)
         snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), b.snapshots.keep, [n for n, _ in named]) \
             if run.is_main else None
         own.append(bh.Snapshotting(snaps, b.snapshots, b.dim_reduce.n_components, [p for _, p in named]))
@@ -134,7 +139,7 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
 def wrap(run: Run) -> None:
     """DDP for collective runs of several processes, then ``torch.compile`` when asked."""
     model = run.model
-    if run.world_size > 1 and isinstance(run.update, (steps.OptimizerUpdate, steps.DimReduceUpdate)):
+    if run.world_size > 1 and not isinstance(run.update, steps.ParameterServerUpdate):  # the servers sync the rest
         kwargs = {"device_ids": [run.device.index]} if run.device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, **kwargs)
     run.forward = torch.compile(model) if run.config.train.compile else model

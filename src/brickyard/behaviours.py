@@ -73,7 +73,7 @@ class ProgressLog(Callback):
         acc = correct / max(count, 1) if run.totals.classify else None
         run.train_loss, run.extras["train_accuracy"] = loss, acc
         shown_acc = f" acc {acc:.4f}" if acc is not None else ""
-        extra = run.update.describe() if hasattr(run.update, "describe") else ""
+        extra = run.update.describe()
         line = (f"epoch {run.epoch + 1} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} "
                 f"loss {loss:.4f}{shown_acc} lr {run.lr:.4g} {ips:,.0f} img/s{extra}")
         if wait_frac > INPUT_BOUND and self.hint:
@@ -85,7 +85,11 @@ class ProgressLog(Callback):
                            accuracy=acc, lr=run.lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
         self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
 
+    def on_validation_start(self, run):
+        self._end_window(run)  # evaluation is not training: it stays out of train_seconds and images/s
+
     def on_validation_end(self, run, r):
+        self.window_start = time.perf_counter()
         # like with like: the training accuracy of the latest steps (since the last log line, else that
         # line's window), not the epoch's mean, which its first steps drag down
         now = run.totals.read()

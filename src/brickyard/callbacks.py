@@ -82,13 +82,15 @@ class CallbackList:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"callbacks: {cb!r} is not a brickyard.Callback (subclass it and override its hooks).")
         for hook in HOOKS:  # only the callbacks that override a hook are called for it
-            setattr(self, hook, self._caller(hook, [(cb, getattr(cb, hook)) for cb in self.callbacks if _overrides(cb, hook)]))
+            wanted = [(cb, getattr(cb, hook), type(cb).__module__.startswith("brickyard.")) for cb in self.callbacks
+                      if _overrides(cb, hook)]
+            setattr(self, hook, self._caller(hook, wanted))
 
     @staticmethod
     def _caller(hook: str, wanted):
         def call(*args):
-            for cb, fn in wanted:
-                if type(cb).__module__.startswith("brickyard."):
+            for cb, fn, own in wanted:
+                if own:
                     fn(*args)  # brickyard's own: its failures (a lost peer, a full disk) are handled where they mean something
                     continue
                 try:
@@ -103,7 +105,8 @@ class CallbackList:
         return call
 
     def state_dict(self) -> dict:
-        return {cb.key: cb.state_dict() for cb in self.callbacks if cb.state_dict()}
+        states = {cb.key: cb.state_dict() for cb in self.callbacks}
+        return {k: v for k, v in states.items() if v}
 
     def load_state_dict(self, state: dict) -> None:
         for cb in self.callbacks:
@@ -175,49 +178,45 @@ class EMA(Callback):
         self.decay, self.avg = decay, None
 
     def on_train_start(self, run):
-        live = self._tensors(run.model)
-        self.avg = [t.detach().clone() for t in live] if self.avg is None else [a.to(t.device) for a, t in zip(self.avg, live)]
+        self.live = list(run.model.parameters()) + list(run.model.buffers())  # updated in place, so kept once
+        self.avg = ([t.detach().clone() for t in self.live] if self.avg is None
+                    else [a.to(t.device) for a, t in zip(self.avg, self.live)])
+        self.floats = [(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()]
+        self.counters = [(a, w) for a, w in zip(self.avg, self.live) if not a.is_floating_point()]  # num_batches_tracked
         run.eval_weights = self.applied
 
     def on_step_end(self, run, loss):
         with torch.no_grad():
-            live = self._tensors(run.model)
-            floats = [(a, w) for a, w in zip(self.avg, live) if a.is_floating_point()]
-            torch._foreach_lerp_([a for a, _ in floats], [w for _, w in floats], 1.0 - self.decay)
-            for a, w in zip(self.avg, live):
-                if not a.is_floating_point():
-                    a.copy_(w)  # counters such as batch norm's num_batches_tracked
+            torch._foreach_lerp_([a for a, _ in self.floats], [w for _, w in self.floats], 1.0 - self.decay)
+            _copy([a for a, _ in self.counters], [w for _, w in self.counters])
 
     def on_loop_end(self, run):
         with torch.no_grad():  # the run ends with the averaged weights
-            for a, w in zip(self.avg, self._tensors(run.model)):
-                w.copy_(a)
+            _copy(self.live, self.avg)
         run.eval_weights = contextlib.nullcontext
 
     @contextlib.contextmanager
     def applied(self):
         """Swap the averaged weights in (for an evaluation or a save) and the raw ones back after."""
-        live = self._tensors(self._model)
-        raw = [w.detach().clone() for w in live]
+        raw = [w.detach().clone() for w in self.live]
         with torch.no_grad():
-            for a, w in zip(self.avg, live):
-                w.copy_(a)
+            _copy(self.live, self.avg)
         try:
             yield
         finally:
             with torch.no_grad():
-                for r, w in zip(raw, live):
-                    w.copy_(r)
-
-    def _tensors(self, model):
-        self._model = model
-        return list(model.parameters()) + list(model.buffers())
+                _copy(self.live, raw)
 
     def state_dict(self):
         return {"decay": self.decay, "avg": self.avg} if self.avg is not None else {}
 
     def load_state_dict(self, state):
         self.avg = list(state["avg"]) if state.get("avg") is not None else None
+
+
+def _copy(dst, src) -> None:
+    for d, s in zip(dst, src):
+        d.copy_(s)
 
 
 class MaxTime(Callback):

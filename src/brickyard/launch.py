@@ -157,12 +157,9 @@ def process_env(cfg) -> None:
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     from brickyard.runlog import default_run_dir, refuse_reuse
-    from brickyard.data.loaders import device_batches
+    from brickyard.data.loaders import check_readers, device_batches
     job = Job.from_args(args, cfg.dist.timeout_s)
-    trainers = job.world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
-    if cfg.data.global_batch_size and trainers > 0 and cfg.data.global_batch_size // cfg.train.grad_accum < trainers:
-        raise BrickyardError(f"data.global_batch_size: {cfg.data.global_batch_size} over {cfg.train.grad_accum} accumulation "
-                             f"step(s) is smaller than the {trainers} processes that read data; each needs at least one image.")
+    check_readers(cfg, job.world)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
     if not args.resume and not job.max_restarts and job.node_rank == 0:
         refuse_reuse(run_dir)  # before any worker starts

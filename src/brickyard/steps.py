@@ -111,18 +111,35 @@ def guard(run) -> None:
         raise_nonfinite(run, *run.batch[:2])
 
 
-class OptimizerUpdate:
+class Update:
+    """An update strategy: ``__call__(run, loss_sum)`` changes the weights from the gradients in them.
+    The rest have defaults: no state to checkpoint, nothing to add to the log line, nothing to end."""
+
+    def __call__(self, run, loss_sum) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def describe(self) -> str:
+        return ""
+
+    def finish(self) -> None:
+        pass
+
+
+class OptimizerUpdate(Update):
     """The optimiser's step, through the loss scaler (a no-op unless fp16)."""
 
     def __call__(self, run, loss_sum) -> None:
         run.scaler.step(run.optimizer)
         run.scaler.update()
 
-    def state_dict(self) -> dict | None:
-        return None
 
-
-class ParameterServerUpdate:
+class ParameterServerUpdate(Update):
     """Push this trainer's gradient to the servers and pull the new parameters (``brickyard.ps``)."""
 
     def __init__(self, client):
@@ -134,11 +151,8 @@ class ParameterServerUpdate:
     def finish(self) -> None:
         self.client.finish()
 
-    def state_dict(self) -> dict | None:
-        return None
 
-
-class DimReduceUpdate:
+class DimReduceUpdate(Update):
     """Stage 2 of dimension-reduction training: P-BFGS in the subspace (``brickyard.boost.DimReduce``)."""
 
     def __init__(self, booster):
@@ -158,3 +172,6 @@ class DimReduceUpdate:
 
     def state_dict(self) -> dict | None:
         return self.booster.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.booster.load_state_dict(state)

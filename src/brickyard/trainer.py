@@ -27,10 +27,11 @@ from torch import nn
 from brickyard import behaviours as bh
 from brickyard import checkpoint as ckpt
 from brickyard import device as dev
-from brickyard import assemble, dist, failures, ps, steps
+from brickyard import assemble, dist, failures, ps
 from brickyard.callbacks import from_config
 from brickyard.config import Config, save_config
 from brickyard.data import DataBundle
+from brickyard.data.loaders import check_readers
 from brickyard.errors import BrickyardError, CheckpointError
 from brickyard.evaluation import evaluate, evaluate_split, finish
 from brickyard.runlog import Logger, MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
@@ -131,7 +132,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
     wall_start = time.perf_counter()
     info = info or dist.from_env()
-    _check_fits(cfg, data, info)  # before anything is written
+    check_readers(cfg, info.world_size, len(data.train))  # before anything is written
     with _torch_flags():
         host = dev.setup(cfg.train, info.local_rank, info.local_world_size)
         if host.device.type == "cuda":
@@ -149,23 +150,6 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
         finally:
             if created:  # a process group the caller made is theirs to end
                 dist.shutdown()
-
-
-def _check_fits(cfg, data, info) -> None:
-    """The data and the global batch must give every process that reads data at least one image."""
-    from brickyard.data.loaders import step_batch
-    readers = info.world_size - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
-    if readers < 1:
-        return  # the layout check says it
-    if len(data.train) < readers:
-        raise BrickyardError(f"the training split has {len(data.train)} samples, fewer than the {readers} processes that "
-                             f"read data; use fewer processes or more data.")
-    if cfg.data.batch_size != "auto" or cfg.data.global_batch_size:
-        g = step_batch(cfg.data, cfg.train.grad_accum, readers)
-        if g < readers:
-            raise BrickyardError(f"data.global_batch_size: {cfg.data.global_batch_size} over {cfg.train.grad_accum} "
-                                 f"accumulation step(s) is smaller than the {readers} processes that read data; each "
-                                 f"needs at least one image.")
 
 
 @contextlib.contextmanager
@@ -232,8 +216,7 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
     with _StopFlag(run):
         _loop(run, cbs)
     run.loader.close()  # the streaming loader's persistent workers
-    if hasattr(run.update, "finish"):
-        run.update.finish()
+    run.update.finish()
     if run.interrupted:
         where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
         raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
@@ -275,8 +258,8 @@ def _restore(run: Run, cbs, resume: str | None) -> None:
         raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
     if state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
-    if state.get("boost") and isinstance(run.update, steps.DimReduceUpdate):
-        run.update.booster.load_state_dict(state["boost"])
+    if state.get("boost"):
+        run.update.load_state_dict(state["boost"])
     cbs.load_state_dict(state.get("callbacks") or {})
     failures.set_rng_state(state["rng"], run.device)
     run.step = int(state["step"])

@@ -137,6 +137,24 @@ def step_batch(cfg, accum: int, world: int) -> int:
     return cfg.batch_size * world
 
 
+def check_readers(cfg, world: int, n_train: int | None = None) -> None:
+    """Every process that reads data (all of them, less the parameter servers) gets at least one image
+    of each global batch and of the training split (``n_train``, when known); one sentence otherwise.
+    ``cfg`` is the whole Config. The launcher calls it before any worker starts, ``train`` before
+    anything is written."""
+    from brickyard.errors import BrickyardError
+    readers = world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
+    if readers < 1:
+        return  # the parameter-server layout check says it
+    if n_train is not None and n_train < readers:
+        raise BrickyardError(f"the training split has {n_train} samples, fewer than the {readers} processes that "
+                             f"read data; use fewer processes or more data.")
+    d, accum = cfg.data, cfg.train.grad_accum
+    if d.global_batch_size and d.global_batch_size // accum < readers:
+        raise BrickyardError(f"data.global_batch_size: {d.global_batch_size} over {accum} accumulation step(s) is "
+                             f"smaller than the {readers} processes that read data; each needs at least one image.")
+
+
 def device_batches(cfg, accum: int, world: int) -> list[int]:
     """Each rank's share of a micro-step's global batch (they differ by at most one)."""
     g = step_batch(cfg, accum, world)
