@@ -161,8 +161,10 @@ class Heartbeat:
         self.info, self.interval = info, interval
         self.store = _job_store(info)
         self._stop = threading.Event()
+        self._thread = None
         if self.store is not None:
-            threading.Thread(target=self._beat, daemon=True, name="brickyard-heartbeat").start()
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="brickyard-heartbeat")
+            self._thread.start()
 
     def _beat(self) -> None:
         import time
@@ -189,4 +191,8 @@ class Heartbeat:
         return silent
 
     def stop(self) -> None:
+        """End the thread before the process group (and its store) goes: a store call cut off by the
+        group's teardown or by the interpreter's exit can abort the process (seen under `brickyard run`)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval)
