@@ -61,6 +61,8 @@ def brickyard_loop(model_name, batch, steps, device_name, n_train):
         "data.synthetic.num_test=0", f"data.batch_size={batch}", f"model.name={model_name}",
         f"train.device={device_name}", "train.progress=none", f"train.max_steps={steps}", "train.epochs=1000",
         "train.log_every=100000", "checkpoint.every_epoch=false", "checkpoint.keep_best=false", "schedule.name=constant",
+        # the hand loop's optimiser and loss (the default recipe's Adam and label smoothing would not be like for like)
+        "optim.name=nesterov", "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0005", "optim.label_smoothing=0",
     ])
     data = build_data(cfg.data)
     torch.manual_seed(0)
