@@ -58,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--devices", metavar="SPEC", help="cpu, cpu:N, cuda, all, or GPU ids like 0,1,2,3")
     t.add_argument("--log-dir", help="folder for workerlog.N files (default RUN_DIR/logs)")
     t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
-    t.add_argument("--nnodes", type=int, default=1, help="number of machines")
-    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    t.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (MIN:MAX: elastic, needs --max-restarts)")
+    t.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous (default: the machine that owns --master's address)")
     t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
 
     _add_inspection(sub, raw)
@@ -174,8 +174,8 @@ def _add_run(sub, raw) -> None:
     ru.add_argument("--run-dir", help="the run directory fit() uses (default: fit's own)")
     ru.add_argument("--log-dir", help="folder for workerlog.N files (default RUN_DIR/logs)")
     ru.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure (fit resumes from the newest checkpoint)")
-    ru.add_argument("--nnodes", type=int, default=1, help="number of machines")
-    ru.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    ru.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (MIN:MAX: elastic, needs --max-restarts)")
+    ru.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous")
     ru.add_argument("--master", metavar="HOST:PORT", help="address of node 0")
     ru.add_argument("--timeout", type=int, default=300, help="seconds to wait for all nodes (default 300)")
     ru.add_argument("script", help="a Python file")
@@ -230,7 +230,7 @@ def cmd_train(args) -> int:
         from brickyard.config import resume_config
         cfg = resume_config(args.run_dir, args.config, overrides)
     launch.process_env(cfg)
-    if args.devices or args.nnodes > 1:
+    if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
         return launch.launch(args, cfg)
     from brickyard import api
     run_dir = args.run_dir or str(_default_run_dir(cfg))

@@ -25,33 +25,62 @@ class Job:
     nproc: int                # processes on this node
     device: str               # each worker's device: cpu or cuda (its local rank's GPU)
     visible: str | None       # CUDA_VISIBLE_DEVICES for the workers, when GPU ids were listed
-    nnodes: int = 1
-    node_rank: int = 0
-    master: str | None = None  # HOST:PORT of node 0
+    nnodes: int = 1           # nodes at most (``--nnodes N`` or ``MIN:MAX``)
+    node_rank: int | None = None  # None: decided by the rendezvous (the node owning --master's address hosts it)
+    master: str | None = None  # HOST:PORT of the node that hosts the rendezvous
     max_restarts: int = 0
     timeout_s: int = 300
+    min_nodes: int = 0        # 0: as many as nnodes (a fixed-size job)
 
     @property
     def world(self) -> int:
+        """Processes at most (the whole job when its size is fixed)."""
         return self.nproc * self.nnodes
+
+    def hosts_rendezvous(self) -> bool:
+        """Whether this node hosts the job's store: node rank 0, or (no rank given) the owner of --master's address."""
+        if self.nnodes == 1 or self.node_rank is not None:
+            return not self.node_rank
+        return _owns_address(self.master.rpartition(":")[0])
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
 
     @classmethod
     def from_args(cls, args, timeout_s: int, devices: str | None = None) -> "Job":
         """``--devices``, ``--nnodes``, ``--node-rank``, ``--master``, ``--max-restarts``, checked once."""
         nproc, device, visible = parse_devices(devices if devices is not None else getattr(args, "devices", None))
-        nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
-        master, restarts = getattr(args, "master", None), getattr(args, "max_restarts", 0)
-        if nnodes < 1 or restarts < 0:
-            raise BrickyardError("--nnodes must be at least 1 and --max-restarts at least 0.")
-        if not 0 <= node_rank < nnodes:
+        min_nodes, nnodes = parse_nnodes(str(getattr(args, "nnodes", 1)))
+        node_rank, master = getattr(args, "node_rank", None), getattr(args, "master", None)
+        restarts = getattr(args, "max_restarts", 0)
+        if restarts < 0:
+            raise BrickyardError("--max-restarts must be at least 0.")
+        if node_rank is not None and not 0 <= node_rank < nnodes:
             raise BrickyardError(f"--node-rank {node_rank} must be between 0 and {nnodes - 1}.")
         if nnodes > 1 and not master:
             raise BrickyardError("--nnodes > 1 needs --master HOST:PORT, the address of node 0 (the same on every machine).")
         if master:
             host, _, port = master.rpartition(":")
-            if not port.isdigit() or (nnodes > 1 and not host):
+            if not port.isdigit() or not 0 < int(port) < 65536 or (nnodes > 1 and not host):
                 raise BrickyardError(f"--master {master!r}: expected HOST:PORT, e.g. 10.0.0.1:29500.")
-        return cls(nproc, device, visible, nnodes, node_rank, master, restarts, timeout_s)
+        if min_nodes < nnodes and not restarts:
+            raise BrickyardError(f"--nnodes {min_nodes}:{nnodes} needs --max-restarts K: a node that joins or "
+                                 "leaves restarts the group, which resumes from the newest checkpoint.")
+        return cls(nproc, device, visible, nnodes, node_rank, master, restarts, timeout_s,
+                   min_nodes if min_nodes < nnodes else 0)
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """``N`` -> (N, N); ``MIN:MAX`` -> (MIN, MAX), torchrun's elastic range."""
+    lo, _, hi = spec.strip().partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        lo_n = hi_n = 0
+    if not 1 <= lo_n <= hi_n:
+        raise BrickyardError(f"--nnodes {spec!r}: expected N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:4.")
+    return lo_n, hi_n
 
 
 def parse_devices(spec: str | None) -> tuple[int, str, str | None]:
@@ -121,29 +150,78 @@ def worker_argv(args, run_dir: Path, log_dir: Path, job: Job) -> list[str]:
 def torchrun_argv(job: Job) -> list[str]:
     out = [f"--nproc-per-node={job.nproc}", f"--max-restarts={job.max_restarts}", "--monitor-interval=0.5"]
     if job.nnodes > 1:
+        return out + _multinode_argv(job)
+    if job.master:
         host, _, port = job.master.rpartition(":")
-        if job.node_rank == 0 and not _port_free(host, int(port)) and _is_local(host):
+        if not _port_free(host or "127.0.0.1", int(port)):
             raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
-        out += [f"--nnodes={job.nnodes}", f"--node-rank={job.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
-                f"--rdzv-conf=join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
     else:
-        if job.master:
-            host, _, port = job.master.rpartition(":")
-            if not _port_free(host or "127.0.0.1", int(port)):
-                raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
-        else:
-            host, port = "127.0.0.1", str(_free_port())
-        out += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
+        host, port = "127.0.0.1", str(_free_port())
+    return out + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
+
+
+def _multinode_argv(job: Job) -> list[str]:
+    """torchrun's c10d rendezvous across machines. Which node hosts the store is said explicitly
+    (``is_host``): torchrun's guess compares the endpoint with the machine's hostname and addresses,
+    which fails in network namespaces, containers and on many clusters, and then every node waits
+    for a store nobody started. Each node also names the address the others reach it by
+    (``--local-addr``), for the same reason."""
+    host, _, port = job.master.rpartition(":")
+    is_host = job.hosts_rendezvous()
+    # each rendezvous round gets a fresh store for the workers (hosted by global rank 0), so a node that
+    # returns after a crash, with its own restart count, meets the survivors in the same store
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if is_host and not _port_free(host, int(port)):
+        raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
+    nodes = f"{job.min_nodes}:{job.nnodes}" if job.elastic else str(job.nnodes)
+    out = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
+           f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
+    local = host if is_host else _address_towards(host, int(port))
+    if local:
+        out.append(f"--local-addr={local}")
+        iface = _interface_of(socket.gethostbyname(local))
+        if iface:  # gloo and NCCL otherwise take the hostname's address, often 127.0.x.x or a wrong network
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     return out
 
 
-def _is_local(host: str) -> bool:
+def _owns_address(host: str) -> bool:
+    """Whether ``host`` is one of this machine's addresses (a socket can be bound to it)."""
     try:
         addr = socket.gethostbyname(host)
     except OSError:
         return False
-    return addr.startswith("127.") or addr in socket.gethostbyname_ex(socket.gethostname())[2]
+    return _port_free(addr, 0)
+
+
+def _interface_of(addr: str) -> str | None:
+    """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
+    try:
+        import fcntl
+        import struct
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
+        return None
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == addr:
+            return name
+    return None
+
+
+def _address_towards(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 def process_env(cfg) -> None:
@@ -161,7 +239,7 @@ def launch(args, cfg) -> int:
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
-    if not args.resume and not job.max_restarts and job.node_rank == 0:
+    if not args.resume and not job.max_restarts and job.hosts_rendezvous():
         refuse_reuse(run_dir)  # before any worker starts
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
