@@ -80,9 +80,10 @@ class Hosts:
         return f"{SUBNET}.{i + 1}"
 
     def popen(self, i: int, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        """``python -m brickyard ARGV`` on host ``i``, in a process group of its own (to kill a whole node)."""
+        """``python -m brickyard ARGV`` on host ``i`` (``env`` adds to ours; None unsets), in a process group of its own (to kill a whole node)."""
         full_env = dict(os.environ)
         full_env.update(env or {})
+        full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
         p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], sys.executable, "-m", "brickyard", *argv],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                              start_new_session=True)

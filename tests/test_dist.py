@@ -3,12 +3,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from brickyard import api, checkpoint
+from brickyard import api, checkpoint, dist
 from brickyard.config import load_config
 from conftest import SYNTH, run_cli, sets
 
@@ -241,3 +243,39 @@ def test_runs_under_an_external_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["workerlog.0", "workerlog.1"]
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu5,node[9-10]", ["gpu5", "node9", "node10"]),
+    ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
+    ("login-a", ["login-a"])])
+def test_slurm_node_lists_expand_as_slurm_writes_them(nodelist, hosts):
+    assert dist.slurm_hosts(nodelist) == hosts
+
+
+def test_slurm_environment_gives_rank_world_local_and_master():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_NODELIST": "node[07-10]", "SLURM_JOB_ID": "123456"}
+    info = dist.from_env(env)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 7, 1, 2)
+    assert info.master == ("node07", 15000 + 3456)
+    assert dist.from_env({**env, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}).master is None  # the user's wins
+    assert dist.from_env({**env, "MASTER_PORT": "1234"}).master == ("node07", 1234)
+    assert dist.from_env({**env, "SLURM_NODEID": "3"}).local_world_size == 1
+    assert dist.from_env({**env, "RANK": "0", "WORLD_SIZE": "1"}).world_size == 1  # torchrun inside Slurm wins
+    assert not dist.from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).distributed
+
+
+@pytest.mark.parametrize("nodelist, message", [
+    ("node[01-", "error: Slurm node list 'node[01-' is not of the form node[01-03,07],other."),
+    ("node[a-b]", "error: Slurm node list 'node[a-b]': 'a-b' is not a number or a range like 01-03."),
+    (None, "error: under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST to find rank 0; "
+           "run it with srun inside an allocation.")])
+def test_a_bad_slurm_environment_is_one_sentence(nodelist, message, tmp_path):
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": nodelist}
+    full = {k: v for k, v in {**os.environ, **env}.items() if v is not None and k not in ("MASTER_ADDR", "RANK")}
+    r = subprocess.run([sys.executable, "-m", "brickyard", "train", *sets(*SYNTH), "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, env=full, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == message, r.stderr[-2000:]
+    assert not (tmp_path / "r").exists()

@@ -90,3 +90,22 @@ def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
              if json.loads(line).get("kind") == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 6
     assert len(checkpoint.step_checkpoints(run / "checkpoints")) >= 1
+
+
+def test_slurm_variables_set_by_hand_on_two_hosts(hosts, one, tmp_path):
+    """What srun gives each task; the master is the first host of the node list, found through the
+    hosts' own /etc/hosts, on 15000 + the job id's last four digits."""
+    h = hosts(2, names=["node01", "node02"])
+    run = tmp_path / "run"
+    procs = []
+    for i in (1, 0):
+        env = {"SLURM_PROCID": str(i), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(i),
+               "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": "4242"}
+        procs.append(h.popen(i, ["train", "mnist", *sets(*SAME), "--run-dir", str(run)],
+                             env={**env, "MASTER_ADDR": None, "MASTER_PORT": None}))
+    for p in procs:
+        rc, out, err = _wait(p)
+        assert rc == 0, err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert _diff(_final(one), _final(run)) < 1e-5

@@ -205,15 +205,14 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[args.command](args)
     except BrickyardError as e:
-        info = dist.from_env()
-        if info.is_main:  # other ranks hit the same error; theirs is in their workerlog
+        if dist.rank_from_env() == 0:  # other ranks hit the same error; theirs is in their workerlog
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # a run or output folder that cannot be made or written, a full disk
-        if dist.from_env().is_main:
+        if dist.rank_from_env() == 0:
             where = f"{e.filename}: " if e.filename else ""
             print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
         return 1

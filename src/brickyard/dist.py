@@ -1,10 +1,12 @@
 """This process's place in a (possibly 1-process) job, read from the launcher's environment.
 
 Contract: torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT``; under Slurm's ``srun`` the ``SLURM_PROCID``,
-``SLURM_LOCALID``, ``SLURM_NTASKS`` and ``SLURM_NTASKS_PER_NODE`` variables are used instead
-(``MASTER_ADDR``/``MASTER_PORT`` must then be exported by the batch script). With none of
-these, the process is rank 0 of 1 and takes the same code path without a process group.
+``MASTER_ADDR`` and ``MASTER_PORT``; under Slurm's ``srun`` the rank, world size and local rank
+come from ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` (with ``SLURM_NODEID`` and
+``SLURM_TASKS_PER_NODE`` for the processes on this node), and, when ``MASTER_ADDR`` is not set,
+the master is the first host of ``SLURM_JOB_NODELIST`` (expanded as Slurm writes it,
+``node[01-03,07]``) on port ``MASTER_PORT`` or 15000 + the last four digits of the job id. With
+none of these, the process is rank 0 of 1 and takes the same code path without a process group.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class DistInfo:
     world_size: int = 1
     local_world_size: int = 1
     restart_count: int = 0
+    master: tuple[str, int] | None = None  # derived under Slurm when MASTER_ADDR is not set
 
     @property
     def is_main(self) -> bool:
@@ -42,10 +45,115 @@ def from_env(env=None) -> DistInfo:
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistInfo(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
                         int(env.get("LOCAL_WORLD_SIZE", 1)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "MASTER_ADDR" in env:
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0])
-        return DistInfo(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]), per_node)
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return _from_slurm(env)
     return DistInfo()
+
+
+def rank_from_env(env=None) -> int:
+    """This process's global rank, read without checking the rest (for error messages: only rank 0 prints)."""
+    env = os.environ if env is None else env
+    value = env.get("RANK") or (env.get("SLURM_PROCID") if int(env.get("SLURM_NTASKS", "1") or 1) > 1 else None)
+    return int(value) if value and value.isdigit() else 0
+
+
+def _from_slurm(env) -> DistInfo:
+    from brickyard.errors import BrickyardError
+    world = int(env["SLURM_NTASKS"])
+    per_node = slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world))
+    node = int(env.get("SLURM_NODEID", 0))
+    local_world = per_node[node] if node < len(per_node) else per_node[-1]
+    master = None
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_STEP_NODELIST")
+        if not nodelist:
+            raise BrickyardError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
+                                 "to find rank 0; run it with srun inside an allocation.")
+        port = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0))
+        master = (slurm_hosts(nodelist)[0], int(port))
+    return DistInfo(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), world, local_world, master=master)
+
+
+def slurm_hosts(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: ``node[01-03,07],gpu5`` -> node01, node02, node03, node07, gpu5
+    (zero padding kept; several bracket groups in one name multiply: ``r[1-2]n[1-2]``)."""
+    from brickyard.errors import BrickyardError
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            break
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i].strip())
+            start = i + 1
+    if depth != 0 or not all(items):
+        raise BrickyardError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
+    return [host for item in items for host in _expand_one(item, nodelist)]
+
+
+def _expand_one(item: str, nodelist: str) -> list[str]:
+    from brickyard.errors import BrickyardError
+    if "[" not in item:
+        return [item]
+    head, _, rest = item.partition("[")
+    body, _, tail = rest.partition("]")
+    numbers = []
+    for part in body.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
+            raise BrickyardError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
+        numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+    return [head + n + t for n in numbers for t in _expand_one(tail, nodelist)]
+
+
+def slurm_tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) -> tasks of each node in order: [2, 2, 2, 1]."""
+    out = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * int(times.rstrip(")") or 1)
+    return out
+
+
+def route_to(host: str, port: int) -> tuple[str | None, str | None]:
+    """(this machine's address on the route to ``host``, the interface that holds it), Nones where
+    they cannot be found. A UDP connect picks the route without sending anything."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))
+            addr = s.getsockname()[0]
+    except OSError:
+        return None, None
+    return addr, _interface_of(addr)
+
+
+def _interface_of(addr: str) -> str | None:
+    """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
+    import socket
+    try:
+        import fcntl
+        import struct
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
+        return None
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == addr:
+            return name
+    return None
+
+
+def use_interface(iface: str | None) -> None:
+    """Send gloo's and NCCL's traffic through ``iface`` unless the user chose: by default they take the
+    hostname's address, which is often 127.0.x.x or another network than the other nodes'."""
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
 def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> bool:
@@ -59,6 +167,10 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
     if device.type == "cuda" and backend == "nccl":
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
+    if info.master is not None:  # Slurm without MASTER_ADDR: rank 0's node from the node list
+        os.environ.setdefault("MASTER_ADDR", info.master[0])
+        os.environ.setdefault("MASTER_PORT", str(info.master[1]))
+        use_interface(route_to(*info.master)[1])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
         # group can read the dead workers' addresses and fail to connect

@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from brickyard import dist
 from brickyard.errors import BrickyardError, DeviceError
 
 
@@ -176,14 +177,10 @@ def _multinode_argv(job: Job) -> list[str]:
     nodes = f"{job.min_nodes}:{job.nnodes}" if job.elastic else str(job.nnodes)
     out = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
            f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
-    local = host if is_host else _address_towards(host, int(port))
-    if local:
-        out.append(f"--local-addr={local}")
-        iface = _interface_of(socket.gethostbyname(local))
-        if iface:  # gloo and NCCL otherwise take the hostname's address, often 127.0.x.x or a wrong network
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    return out
+    addr, iface = dist.route_to(host, int(port))
+    local = host if is_host else addr
+    dist.use_interface(iface)
+    return out + ([f"--local-addr={local}"] if local else [])
 
 
 def _owns_address(host: str) -> bool:
@@ -193,35 +190,6 @@ def _owns_address(host: str) -> bool:
     except OSError:
         return False
     return _port_free(addr, 0)
-
-
-def _interface_of(addr: str) -> str | None:
-    """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
-    try:
-        import fcntl
-        import struct
-        names = [name for _, name in socket.if_nameindex()]
-    except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
-        return None
-    for name in names:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == addr:
-            return name
-    return None
-
-
-def _address_towards(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def process_env(cfg) -> None:
