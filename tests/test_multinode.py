@@ -109,3 +109,39 @@ def test_slurm_variables_set_by_hand_on_two_hosts(hosts, one, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert _diff(_final(one), _final(run)) < 1e-5
+
+
+LONG = [s for s in SAME if not s.startswith(("train.max_steps", "train.epochs", "dist.timeout_s"))] + [
+    "train.epochs=2000", "checkpoint.every_steps=10", "dist.timeout_s=10"]
+
+
+def _wait_for_checkpoints(run, n, procs, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(checkpoint.step_checkpoints(run / "checkpoints")) >= n if (run / "checkpoints").is_dir() else False:
+            return
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        time.sleep(0.1)
+    raise AssertionError("no checkpoints")
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_a_cut_network_ends_both_nodes_with_one_sentence_within_the_timeout(hosts, tmp_path, cut):
+    h = hosts(2)
+    run = tmp_path / "run"
+    procs = [_node(h, i, run, 2, config=LONG) for i in (0, 1)]
+    _wait_for_checkpoints(run, 2, procs)
+    start = time.time()
+    h.cut(cut)  # that host's link to the switch goes down
+    results = [_wait(p, timeout=120) for p in procs]
+    assert time.time() - start < 10 + 25  # dist.timeout_s, the check of who is silent, the agent's shutdown
+    for i, (rc, _, err) in enumerate(results):
+        assert rc == 2, err[-3000:]
+        assert "Traceback" not in err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"error: rank {i}: a collective did not complete within dist.timeout_s=10s; "), last
+    # the node that hosts the store (0) names the rank it lost; the other says it is cut off
+    assert "; rank 1 stopped answering" in results[0][2]
+    assert "this node lost its connection to the job's store at 192.168.250.1:" in results[1][2]
+    newest = checkpoint.step_checkpoints(run / "checkpoints")[-1]
+    assert checkpoint.load(newest)["step"] >= 10  # the last checkpoint is whole

@@ -205,14 +205,14 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[args.command](args)
     except BrickyardError as e:
-        if dist.rank_from_env() == 0:  # other ranks hit the same error; theirs is in their workerlog
+        if dist.prints_errors():  # other ranks hit the same error; theirs is in their workerlog
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # a run or output folder that cannot be made or written, a full disk
-        if dist.rank_from_env() == 0:
+        if dist.prints_errors():
             where = f"{e.filename}: " if e.filename else ""
             print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
         return 1

@@ -57,6 +57,15 @@ def rank_from_env(env=None) -> int:
     return int(value) if value and value.isdigit() else 0
 
 
+def prints_errors(env=None) -> bool:
+    """Whether this process says a failure on its console: global rank 0, and in a torchrun job across
+    machines also each node's local rank 0 (that node's console shows no other)."""
+    env = os.environ if env is None else env
+    if rank_from_env(env) == 0:
+        return True
+    return env.get("LOCAL_RANK") == "0" and int(env.get("GROUP_WORLD_SIZE", "1") or 1) > 1
+
+
 def _from_slurm(env) -> DistInfo:
     from brickyard.errors import BrickyardError
     world = int(env["SLURM_NTASKS"])
@@ -272,6 +281,7 @@ class Heartbeat:
         import threading
         self.info, self.interval = info, interval
         self.store = _job_store(info)
+        self.last_ok = __import__("time").time()
         self._stop = threading.Event()
         self._thread = None
         if self.store is not None:
@@ -285,12 +295,26 @@ class Heartbeat:
                 self.store.set(f"brickyard/heartbeat/{self.info.rank}", repr(time.time()))
             except Exception:  # noqa: BLE001  the store went away: the job is ending
                 return
+            self.last_ok = time.time()
             self._stop.wait(self.interval)
 
-    def silent_ranks(self) -> list[int]:
+    def silent_ranks(self) -> list[int] | None:
+        """The ranks whose heartbeat stopped; None when this rank itself no longer reaches the store
+        (its own writes stopped, or reading the others' does not finish within a few seconds)."""
+        import threading
         import time
         if self.store is None:
             return []
+        if time.time() - self.last_ok > 3 * self.interval + 1:
+            return None
+        found: list[list[int]] = []
+        reader = threading.Thread(target=lambda: found.append(self._read_silent()), daemon=True)
+        reader.start()
+        reader.join(timeout=3 * self.interval + 1)  # a store across a cut network never answers
+        return found[0] if found else None
+
+    def _read_silent(self) -> list[int]:
+        import time
         now, silent = time.time(), []
         for r in range(self.info.world_size):
             key = f"brickyard/heartbeat/{r}"

@@ -5,6 +5,9 @@ or re-raises it when it is a bug of ours (a traceback is then the right answer).
 """
 from __future__ import annotations
 
+import os
+import re
+
 import torch
 
 from brickyard.errors import BrickyardError
@@ -21,8 +24,13 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
     if not info.distributed or not is_comm_failure(e):
         return e
     silent = heartbeat.silent_ranks() if heartbeat else []
-    who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
-    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if silent is None:
+        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"this node lost its connection to the job's store at {store}, is the network between the nodes down?"
+    else:
+        who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
+    reason = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(e).strip())  # gloo's source file and line
+    reason = reason.splitlines()[0][:200] if reason else type(e).__name__
     msg = (f"rank {info.rank}: a collective did not complete within dist.timeout_s={cfg.dist.timeout_s}s; {who} "
            f"(see the workerlogs in {log_dir}; {reason}).")
     log.error(msg)

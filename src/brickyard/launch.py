@@ -265,6 +265,8 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     targv = torchrun_argv(job) + worker
+    if job.nnodes > 1:  # torchrun's agent can wait forever on a store the network no longer reaches
+        _AgentWatch(grace=3 if not job.max_restarts else job.timeout_s + 10).start()
     print(f"launching {job.world} processes ({job.nproc} per node x {job.nnodes} node(s), {job.device}) with torchrun; "
           f"{note}logs in {log_dir or 'the run directory'}", flush=True)
     try:
@@ -286,3 +288,57 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
                                  f"within {job.timeout_s}s ({name}).") from None
         raise
     return 0
+
+
+class _AgentWatch:
+    """Ends a multi-node command whose workers are gone while torchrun's agent still waits.
+
+    Between checks of its workers the agent asks the rendezvous store whether nodes are waiting to
+    join; with the network to that store cut the call never returns (seen with a link set down:
+    the workers ended with their sentence, the command hung). This daemon thread watches this
+    process's children: once workers have run and none has been alive for ``grace`` seconds (time
+    for a healthy agent to return, or to rendezvous again when restarts are left), it takes their
+    exit code and ends the command with it. Linux only (``/proc``); elsewhere it does nothing.
+    """
+
+    def __init__(self, grace: float):
+        self.grace = grace
+
+    def start(self) -> None:
+        import threading
+        if Path("/proc/self/task").is_dir():
+            threading.Thread(target=self._watch, daemon=True, name="brickyard-agent-watch").start()
+
+    @staticmethod
+    def _children() -> dict[int, str]:
+        """Child pid -> state letter (R, S, Z, ...)."""
+        out = {}
+        for children in Path("/proc/self/task").glob("*/children"):
+            for pid in children.read_text().split():
+                try:
+                    out[int(pid)] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    pass
+        return out
+
+    def _watch(self) -> None:
+        import sys
+        import time
+        seen, alive_at = False, time.monotonic()
+        while True:
+            time.sleep(1.0)
+            kids = self._children()
+            if any(state != "Z" for state in kids.values()):
+                seen, alive_at = True, time.monotonic()
+            elif seen and time.monotonic() - alive_at > self.grace:
+                codes = []
+                for pid in kids:
+                    try:
+                        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, os.WNOHANG)[1]))
+                    except ChildProcessError:
+                        pass
+                code = next((c for c in codes if c), 2)
+                if code not in (2, 130):  # 2 and 130: the node's first worker has said why
+                    print(f"error: this node's workers ended (exit code {code}) and torchrun's agent lost the "
+                          f"rendezvous store; see the worker logs.", file=sys.stderr, flush=True)
+                os._exit(code if 0 < code < 256 else 1)
