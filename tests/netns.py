@@ -51,6 +51,7 @@ class Hosts:
         self.switch = f"{self.tag}sw"
         self.hosts = [f"{self.tag}h{i}" for i in range(n)]
         self.procs: list[subprocess.Popen] = []
+        self._host_of: dict[int, int] = {}
         try:
             self._make(names)
         except BaseException:
@@ -88,15 +89,25 @@ class Hosts:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                              start_new_session=True)
         self.procs.append(p)
+        self._host_of[p.pid] = i
         return p
 
-    def kill_node(self, p: subprocess.Popen) -> None:
-        """SIGKILL everything a node's command started (launcher, agent and workers)."""
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(timeout=30)
+    def kill_node(self, i: int) -> None:
+        """SIGKILL every process on host ``i`` (launcher, agent and workers: torchrun starts workers in
+        sessions of their own, so killing the command's process group is not enough)."""
+        self._kill_all(self.hosts[i])
+        for p in self.procs:
+            if p.poll() is None and self._host_of.get(p.pid) == i:
+                p.wait(timeout=30)
+
+    @staticmethod
+    def _kill_all(ns: str) -> None:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
     def cut(self, i: int) -> None:
         """Take host ``i`` off the network (its switch port down)."""
@@ -115,11 +126,6 @@ class Hosts:
             except (subprocess.TimeoutExpired, ValueError):
                 pass
         for ns in [*self.hosts, self.switch]:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            self._kill_all(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)

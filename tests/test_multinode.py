@@ -8,8 +8,7 @@ workers' logs to a log folder of its own. Skipped, with the reason, where namesp
 (not root, no iproute2); `.ci/run` installs iproute2.
 """
 import json
-import os
-import signal
+import re
 import time
 
 import pytest
@@ -145,3 +144,28 @@ def test_a_cut_network_ends_both_nodes_with_one_sentence_within_the_timeout(host
     assert "this node lost its connection to the job's store at 192.168.250.1:" in results[1][2]
     newest = checkpoint.step_checkpoints(run / "checkpoints")[-1]
     assert checkpoint.load(newest)["step"] >= 10  # the last checkpoint is whole
+
+
+def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tmp_path):
+    steps = SAME[:-1] + ["train.max_steps=200", "train.epochs=100", "checkpoint.every_steps=10", "dist.timeout_s=60"]
+    reference = tmp_path / "ref"
+    api.train_config(load_config("mnist", steps), reference)
+    h = hosts(2)
+    run = tmp_path / "run"
+    restarts = ["--max-restarts", "1"]
+    first = _node(h, 0, run, 2, restarts, config=steps)
+    second = _node(h, 1, run, 2, restarts, config=steps)
+    _wait_for_checkpoints(run, 2, [first, second])
+    h.kill_node(1)  # the launcher, torchrun's agent and the worker of host 1
+    assert first.poll() is None
+    time.sleep(2)
+    back = _node(h, 1, run, 2, restarts, config=steps)  # the node returns
+    (rc0, out0, err0), (rc1, _, err1) = _wait(first), _wait(back)
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert "torchrun restarts the group (1 restart(s) left)" in err0 and "Traceback" not in err0 + err1
+    log0 = (run / "logs-node0" / "workerlog.0").read_text()
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log0)
+    assert resumed and 10 <= int(resumed.group(1)) < 200, log0[-2000:]  # from a checkpoint made mid-run
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 200 and summary["world_size"] == 2
+    assert _diff(_final(reference), _final(run)) < 1e-5  # the resume is exact

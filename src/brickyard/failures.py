@@ -30,9 +30,12 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
     else:
         who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
     reason = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(e).strip())  # gloo's source file and line
-    reason = reason.splitlines()[0][:200] if reason else type(e).__name__
-    msg = (f"rank {info.rank}: a collective did not complete within dist.timeout_s={cfg.dist.timeout_s}s; {who} "
-           f"(see the workerlogs in {log_dir}; {reason}).")
+    reason = re.split(r"(?<=[a-z])\. ", reason.splitlines()[0])[0][:200] if reason else type(e).__name__
+    lost = "reset" in reason.lower() or "closed" in reason.lower()
+    what = "lost a peer" if lost else f"did not complete within dist.timeout_s={cfg.dist.timeout_s}s"
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - info.restart_count
+    then = f"; torchrun restarts the group ({restarts} restart(s) left)" if restarts > 0 else ""
+    msg = f"rank {info.rank}: a collective {what}; {who} (see the workerlogs in {log_dir}; {reason}){then}."
     log.error(msg)
     return BrickyardError(msg)
 
