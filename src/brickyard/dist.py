@@ -124,47 +124,6 @@ def slurm_tasks_per_node(spec: str) -> list[int]:
     return out
 
 
-def route_to(host: str, port: int) -> tuple[str | None, str | None]:
-    """(this machine's address on the route to ``host``, the interface that holds it), Nones where
-    they cannot be found. A UDP connect picks the route without sending anything."""
-    import socket
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(host), port))
-            addr = s.getsockname()[0]
-    except OSError:
-        return None, None
-    return addr, _interface_of(addr)
-
-
-def _interface_of(addr: str) -> str | None:
-    """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
-    import socket
-    try:
-        import fcntl
-        import struct
-        names = [name for _, name in socket.if_nameindex()]
-    except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
-        return None
-    for name in names:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == addr:
-            return name
-    return None
-
-
-def use_interface(iface: str | None) -> None:
-    """Send gloo's and NCCL's traffic through ``iface`` unless the user chose: by default they take the
-    hostname's address, which is often 127.0.x.x or another network than the other nodes'."""
-    if iface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-
-
 def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> bool:
     """Join the process group; False when there was nothing to do (one process, or a group the caller made)."""
     import torch.distributed as tdist
@@ -179,7 +138,8 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
     if info.master is not None:  # Slurm without MASTER_ADDR: rank 0's node from the node list
         os.environ.setdefault("MASTER_ADDR", info.master[0])
         os.environ.setdefault("MASTER_PORT", str(info.master[1]))
-        use_interface(route_to(*info.master)[1])
+        from brickyard import nodes
+        nodes.use_interface(nodes.route_to(*info.master)[1])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
         # group can read the dead workers' addresses and fail to connect

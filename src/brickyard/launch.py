@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from brickyard import dist
+from brickyard import nodes
 from brickyard.errors import BrickyardError, DeviceError
 
 
@@ -42,7 +42,7 @@ class Job:
         """Whether this node hosts the job's store: node rank 0, or (no rank given) the owner of --master's address."""
         if self.nnodes == 1 or self.node_rank is not None:
             return not self.node_rank
-        return _owns_address(self.master.rpartition(":")[0])
+        return nodes.owns_address(self.master.rpartition(":")[0])
 
     @property
     def elastic(self) -> bool:
@@ -122,15 +122,6 @@ def parse_devices(spec: str | None) -> tuple[int, str, str | None]:
     return len(ids), "cuda", ",".join(map(str, ids))
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -151,45 +142,14 @@ def worker_argv(args, run_dir: Path, log_dir: Path, job: Job) -> list[str]:
 def torchrun_argv(job: Job) -> list[str]:
     out = [f"--nproc-per-node={job.nproc}", f"--max-restarts={job.max_restarts}", "--monitor-interval=0.5"]
     if job.nnodes > 1:
-        return out + _multinode_argv(job)
+        return out + nodes.torchrun_argv(job)
     if job.master:
         host, _, port = job.master.rpartition(":")
-        if not _port_free(host or "127.0.0.1", int(port)):
+        if not nodes.port_free(host or "127.0.0.1", int(port)):
             raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
     else:
         host, port = "127.0.0.1", str(_free_port())
     return out + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
-
-
-def _multinode_argv(job: Job) -> list[str]:
-    """torchrun's c10d rendezvous across machines. Which node hosts the store is said explicitly
-    (``is_host``): torchrun's guess compares the endpoint with the machine's hostname and addresses,
-    which fails in network namespaces, containers and on many clusters, and then every node waits
-    for a store nobody started. Each node also names the address the others reach it by
-    (``--local-addr``), for the same reason."""
-    host, _, port = job.master.rpartition(":")
-    is_host = job.hosts_rendezvous()
-    # each rendezvous round gets a fresh store for the workers (hosted by global rank 0), so a node that
-    # returns after a crash, with its own restart count, meets the survivors in the same store
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if is_host and not _port_free(host, int(port)):
-        raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
-    nodes = f"{job.min_nodes}:{job.nnodes}" if job.elastic else str(job.nnodes)
-    out = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
-           f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
-    addr, iface = dist.route_to(host, int(port))
-    local = host if is_host else addr
-    dist.use_interface(iface)
-    return out + ([f"--local-addr={local}"] if local else [])
-
-
-def _owns_address(host: str) -> bool:
-    """Whether ``host`` is one of this machine's addresses (a socket can be bound to it)."""
-    try:
-        addr = socket.gethostbyname(host)
-    except OSError:
-        return False
-    return _port_free(addr, 0)
 
 
 def process_env(cfg) -> None:
@@ -265,8 +225,9 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     targv = torchrun_argv(job) + worker
+    roll = nodes.RollCall(job) if job.nnodes > 1 else None
     if job.nnodes > 1:  # torchrun's agent can wait forever on a store the network no longer reaches
-        _AgentWatch(grace=3 if not job.max_restarts else job.timeout_s + 10).start()
+        nodes.AgentWatch(grace=3 if not job.max_restarts else job.timeout_s + 10).start()
     print(f"launching {job.world} processes ({job.nproc} per node x {job.nnodes} node(s), {job.device}) with torchrun; "
           f"{note}logs in {log_dir or 'the run directory'}", flush=True)
     try:
@@ -283,62 +244,7 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
                              f"(restarts used: {job.max_restarts}).") from None
     except Exception as e:  # rendezvous failures and timeouts come as several torch exception types
         name = type(e).__name__
-        if "Rendezvous" in name or "timeout" in str(e).lower():
-            raise BrickyardError(f"not all {job.nnodes} nodes joined the job at {job.master or 'localhost'} "
-                                 f"within {job.timeout_s}s ({name}).") from None
+        if roll is not None and ("Rendezvous" in name or "timeout" in str(e).lower()):
+            raise BrickyardError(roll.failure()) from None
         raise
     return 0
-
-
-class _AgentWatch:
-    """Ends a multi-node command whose workers are gone while torchrun's agent still waits.
-
-    Between checks of its workers the agent asks the rendezvous store whether nodes are waiting to
-    join; with the network to that store cut the call never returns (seen with a link set down:
-    the workers ended with their sentence, the command hung). This daemon thread watches this
-    process's children: once workers have run and none has been alive for ``grace`` seconds (time
-    for a healthy agent to return, or to rendezvous again when restarts are left), it takes their
-    exit code and ends the command with it. Linux only (``/proc``); elsewhere it does nothing.
-    """
-
-    def __init__(self, grace: float):
-        self.grace = grace
-
-    def start(self) -> None:
-        import threading
-        if Path("/proc/self/task").is_dir():
-            threading.Thread(target=self._watch, daemon=True, name="brickyard-agent-watch").start()
-
-    @staticmethod
-    def _children() -> dict[int, str]:
-        """Child pid -> state letter (R, S, Z, ...)."""
-        out = {}
-        for children in Path("/proc/self/task").glob("*/children"):
-            for pid in children.read_text().split():
-                try:
-                    out[int(pid)] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    pass
-        return out
-
-    def _watch(self) -> None:
-        import sys
-        import time
-        seen, alive_at = False, time.monotonic()
-        while True:
-            time.sleep(1.0)
-            kids = self._children()
-            if any(state != "Z" for state in kids.values()):
-                seen, alive_at = True, time.monotonic()
-            elif seen and time.monotonic() - alive_at > self.grace:
-                codes = []
-                for pid in kids:
-                    try:
-                        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, os.WNOHANG)[1]))
-                    except ChildProcessError:
-                        pass
-                code = next((c for c in codes if c), 2)
-                if code not in (2, 130):  # 2 and 130: the node's first worker has said why
-                    print(f"error: this node's workers ended (exit code {code}) and torchrun's agent lost the "
-                          f"rendezvous store; see the worker logs.", file=sys.stderr, flush=True)
-                os._exit(code if 0 < code < 256 else 1)

@@ -1,0 +1,197 @@
+"""Several machines under torchrun: which node hosts the rendezvous, the address and interface each
+node is reached by, and the watch that ends a node whose agent lost the others.
+
+torchrun's c10d rendezvous guesses whether a node hosts the store by comparing the endpoint with
+the machine's hostname and addresses; in network namespaces, containers and on many clusters the
+guess is wrong and every node waits for a store nobody started. Here the node given
+``--node-rank 0`` (or, without ranks, the one that owns ``--master``'s address) hosts it, and each
+node names its own address (``--local-addr``) and interface (``GLOO_SOCKET_IFNAME``,
+``NCCL_SOCKET_IFNAME``, unless set) on the route to the master.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from brickyard.errors import BrickyardError
+
+if TYPE_CHECKING:
+    from brickyard.launch import Job
+
+
+def torchrun_argv(job: Job) -> list[str]:
+    """torchrun's arguments for a job across machines: c10d rendezvous, ``is_host`` said, ``--local-addr``."""
+    host, _, port = job.master.rpartition(":")
+    is_host = job.hosts_rendezvous()
+    # each rendezvous round gets a fresh store for the workers (hosted by global rank 0), so a node that
+    # returns after a crash, with its own restart count, meets the survivors in the same store
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if is_host and not port_free(host, int(port)):
+        raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
+    count = f"{job.min_nodes}:{job.nnodes}" if job.elastic else str(job.nnodes)
+    out = [f"--nnodes={count}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
+           f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
+    addr, iface = route_to(host, int(port))
+    local = host if is_host else addr
+    use_interface(iface)
+    return out + ([f"--local-addr={local}"] if local else [])
+
+
+def owns_address(host: str) -> bool:
+    """Whether ``host`` is one of this machine's addresses (a socket can be bound to it)."""
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return port_free(addr, 0)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def route_to(host: str, port: int) -> tuple[str | None, str | None]:
+    """(this machine's address on the route to ``host``, the interface that holds it), Nones where
+    they cannot be found. A UDP connect picks the route without sending anything."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))
+            addr = s.getsockname()[0]
+    except OSError:
+        return None, None
+    return addr, _interface_of(addr)
+
+
+def _interface_of(addr: str) -> str | None:
+    """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
+    try:
+        import fcntl
+        import struct
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
+        return None
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == addr:
+            return name
+    return None
+
+
+def use_interface(iface: str | None) -> None:
+    """Send gloo's and NCCL's traffic through ``iface`` unless the user chose: by default they take the
+    hostname's address, which is often 127.0.x.x or another network than the other nodes'."""
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+
+
+
+class AgentWatch:
+    """Ends a multi-node command whose workers are gone while torchrun's agent still waits.
+
+    Between checks of its workers the agent asks the rendezvous store whether nodes are waiting to
+    join; with the network to that store cut the call never returns (seen with a link set down:
+    the workers ended with their sentence, the command hung). This daemon thread watches this
+    process's children: once workers have run and none has been alive for ``grace`` seconds (time
+    for a healthy agent to return, or to rendezvous again when restarts are left), it takes their
+    exit code and ends the command with it. Linux only (``/proc``); elsewhere it does nothing.
+    """
+
+    def __init__(self, grace: float):
+        self.grace = grace
+
+    def start(self) -> None:
+        import threading
+        if Path("/proc/self/task").is_dir():
+            threading.Thread(target=self._watch, daemon=True, name="brickyard-agent-watch").start()
+
+    @staticmethod
+    def _children() -> dict[int, str]:
+        """Child pid -> state letter (R, S, Z, ...)."""
+        out = {}
+        for children in Path("/proc/self/task").glob("*/children"):
+            for pid in children.read_text().split():
+                try:
+                    out[int(pid)] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    pass
+        return out
+
+    def _watch(self) -> None:
+        import sys
+        import time
+        seen, alive_at = False, time.monotonic()
+        while True:
+            time.sleep(1.0)
+            kids = self._children()
+            if any(state != "Z" for state in kids.values()):
+                seen, alive_at = True, time.monotonic()
+            elif seen and time.monotonic() - alive_at > self.grace:
+                codes = []
+                for pid in kids:
+                    try:
+                        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, os.WNOHANG)[1]))
+                    except ChildProcessError:
+                        pass
+                code = next((c for c in codes if c), 2)
+                if code not in (2, 130):  # 2 and 130: the node's first worker has said why
+                    print(f"error: this node's workers ended (exit code {code}) and torchrun's agent lost the "
+                          f"rendezvous store; see the worker logs.", file=sys.stderr, flush=True)
+                os._exit(code if 0 < code < 256 else 1)
+
+
+class RollCall:
+    """Each node's launcher signs in on the rendezvous store (its node rank, or its address), so a
+    job whose nodes did not all come can say which are missing. A daemon thread: it connects when
+    the host's store is up, signs in, and keeps a copy of the list for the error message."""
+
+    KEY = "brickyard/nodes"
+
+    def __init__(self, job: Job):
+        import threading
+        self.job, self.joined, self.connected = job, [], False
+        host, _, port = job.master.rpartition(":")
+        self.label = str(job.node_rank) if job.node_rank is not None else (route_to(host, int(port))[0] or host)
+        threading.Thread(target=self._run, args=(host, int(port)), daemon=True, name="brickyard-roll-call").start()
+
+    def _run(self, host: str, port: int) -> None:
+        import datetime
+        import time
+        from torch.distributed import TCPStore
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.job.timeout_s))
+            self.connected = True
+            store.append(self.KEY, self.label + ",")
+            while True:
+                self.joined = sorted({x for x in store.get(self.KEY).decode().split(",") if x})
+                time.sleep(1.0)
+        except Exception:  # noqa: BLE001  no store (yet, or any more): the launcher's error says what it knows
+            return
+
+    def failure(self) -> str:
+        """The sentence for a rendezvous that did not complete."""
+        job = self.job
+        if not job.hosts_rendezvous() and not self.connected:
+            return (f"the node that hosts the rendezvous ({job.master}, --node-rank 0) did not answer within "
+                    f"{job.timeout_s}s; start it, or check the address and port.")
+        ranks = job.node_rank is not None and all(x.isdigit() for x in self.joined)
+        if ranks:
+            missing = [r for r in range(job.min_nodes or job.nnodes) if str(r) not in self.joined]
+            if missing:
+                names = ", ".join(map(str, missing))
+                return (f"node{'s' if len(missing) > 1 else ''} {names} never joined the job at {job.master} within "
+                        f"{job.timeout_s}s (joined: {', '.join(self.joined) or 'none'}); start "
+                        f"{'them' if len(missing) > 1 else 'it'} with the same --nnodes and --master.")
+        return (f"not all {job.nnodes} nodes joined the job at {job.master} within {job.timeout_s}s "
+                f"(joined: {', '.join(self.joined) or 'none known'}).")
