@@ -169,3 +169,42 @@ def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tm
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["world_size"] == 2
     assert _diff(_final(reference), _final(run)) < 1e-5  # the resume is exact
+
+
+def test_a_run_resumed_on_another_number_of_nodes_keeps_its_data_position(hosts, one, tmp_path):
+    h = hosts(2)
+    run = tmp_path / "run"
+    half = SAME + ["train.max_steps=6"]
+    procs = [_node(h, i, run, 2, config=half) for i in (1, 0)]
+    for p in procs:
+        rc, _, err = _wait(p)
+        assert rc == 0, err[-3000:]
+    again = run_cli("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.max_steps=12")  # one node
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in (run / "train.log").read_text()
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 1
+    assert _diff(_final(one), _final(run)) < 1e-5
+
+
+def test_elastic_a_node_joins_a_running_job_and_the_global_batch_holds(hosts, one, tmp_path):
+    """--nnodes 1:2: node 0 starts alone (world 1); node 1 joins, torchrun restarts the group (SIGTERM:
+    a checkpoint at one agreed step) and the job goes on with world 2 at the same global batch, so it
+    ends with the weights of one process."""
+    h = hosts(2)
+    run = tmp_path / "run"
+    steps = SAME[:-1] + ["train.max_steps=2000", "train.epochs=1000", "checkpoint.every_steps=10", "dist.timeout_s=60"]
+    reference = tmp_path / "ref"
+    api.train_config(load_config("mnist", steps), reference)
+    elastic = ["--max-restarts", "2"]
+    first = _node(h, 0, run, "1:2", elastic, config=steps)
+    _wait_for_checkpoints(run, 2, [first])
+    second = _node(h, 1, run, "1:2", elastic, config=steps)
+    (rc0, _, err0), (rc1, _, err1) = _wait(first), _wait(second)
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    log0 = (run / "logs-node0" / "workerlog.0").read_text()
+    assert "world size 1," in log0 and "world size 2," in log0
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log0)
+    assert resumed and int(resumed.group(1)) < 2000, log0[-2000:]  # node 1 came while node 0 trained alone
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2000
+    assert _diff(_final(reference), _final(run)) < 1e-5

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from brickyard.launch import Job
 
 
+LAST_CALL_S = 5  # elastic jobs: once MIN nodes are in, how long the rendezvous waits for more
+
+
 def torchrun_argv(job: Job) -> list[str]:
     """torchrun's arguments for a job across machines: c10d rendezvous, ``is_host`` said, ``--local-addr``."""
     host, _, port = job.master.rpartition(":")
@@ -32,7 +35,8 @@ def torchrun_argv(job: Job) -> list[str]:
         raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
     count = f"{job.min_nodes}:{job.nnodes}" if job.elastic else str(job.nnodes)
     out = [f"--nnodes={count}", "--rdzv-backend=c10d", f"--rdzv-endpoint={job.master}", "--rdzv-id=brickyard",
-           f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"]
+           f"--rdzv-conf=is_host={int(is_host)},join_timeout={job.timeout_s},read_timeout={job.timeout_s}"
+           + (f",last_call_timeout={LAST_CALL_S}" if job.elastic else "")]
     addr, iface = route_to(host, int(port))
     local = host if is_host else addr
     use_interface(iface)

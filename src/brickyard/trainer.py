@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -219,8 +220,10 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
     run.update.finish()
     if run.interrupted:
         where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
+        restarting = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0  # e.g. a node joined an elastic job
+        then = " (a group torchrun restarts resumes there by itself)" if restarting else ""
         raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
-                          f"`brickyard train --run-dir {run_dir} --resume auto`.")
+                          f"`brickyard train --run-dir {run_dir} --resume auto`{then}.")
     summary = finish(run, progress, wall_start)
     cbs.on_train_end(run, summary)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
