@@ -217,3 +217,21 @@ def test_elastic_a_node_joins_then_leaves_and_the_global_batch_holds(hosts, tmp_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 3000
     assert _diff(_final(reference), _final(run)) < 1e-5
+
+
+def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(hosts, tmp_path):
+    from test_bench import BENCH
+    h = hosts(2)
+    argv = ["bench", "mnist", *sets(*BENCH), "--devices", "cpu:1", "--steps", "10", "--warmup", "2", "--nnodes", "2",
+            "--master", f"{h.addr(0)}:{PORT}"]
+    procs = [h.popen(i, argv + ["--node-rank", str(i), "--out", str(tmp_path / f"out{i}")]) for i in (1, 0)]
+    (rc1, out1, err1), (rc0, out0, err0) = [_wait(p) for p in procs]
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert "--- devices cpu:1\n" in out0 and "--- devices cpu:1 on each of 2 nodes" in out0
+    assert "--- devices cpu:1\n" not in out1 and "--- devices cpu:1 on each of 2 nodes" in out1  # node 1 joins only
+    doc = json.loads((tmp_path / "out0" / "bench.json").read_text())
+    rows = {row["devices"]: row for row in doc["scaling"]}
+    assert rows["cpu:1"]["world_size"] == 1 and rows["cpu:1 x 2 nodes"]["world_size"] == 2
+    ms = doc["results"]["cpu:1 x 2 nodes"]["step_ms"]
+    assert ms["rank_wait"] >= 0 and ms["allreduce"] > 0
+    assert abs(ms["grad_sync"] - ms["rank_wait"] - ms["allreduce"]) < 0.05 * ms["total"] + 0.05

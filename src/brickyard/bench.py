@@ -186,13 +186,14 @@ def format_result(r: dict) -> str:
 def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
     base = results[0][1]
     base_per_proc = base["images_per_second"] / base["world_size"]
-    rows, lines = [], [f"{'devices':<12} {'world':>5} {'images/s':>10} {'speed-up':>9} {'efficiency':>10}  verdict"]
+    w = max(12, *(len(spec) for spec, _ in results))
+    rows, lines = [], [f"{'devices':<{w}} {'world':>5} {'images/s':>10} {'speed-up':>9} {'efficiency':>10}  verdict"]
     for spec, r in results:
         speedup = r["images_per_second"] / base["images_per_second"]
         eff = r["images_per_second"] / (base_per_proc * r["world_size"])
         rows.append({"devices": spec, "world_size": r["world_size"], "images_per_second": r["images_per_second"],
                      "speedup": speedup, "efficiency": eff, "verdict": r["verdict"]})
-        lines.append(f"{spec:<12} {r['world_size']:>5} {r['images_per_second']:>10,.0f} {speedup:>8.2f}x {100 * eff:>9.0f}%  {r['verdict']}")
+        lines.append(f"{spec:<{w}} {r['world_size']:>5} {r['images_per_second']:>10,.0f} {speedup:>8.2f}x {100 * eff:>9.0f}%  {r['verdict']}")
     odd = [row["devices"] for row in rows if row["efficiency"] > SUPERLINEAR]
     if odd:
         lines.append(f"warning: {', '.join(odd)} scaled above {100 * SUPERLINEAR:.0f}% of linear, which N processes on "
@@ -217,8 +218,9 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_job(args, cfg, spec: str) -> dict:
-    """Run one device spec as its own process(es) and return rank 0's result."""
+def run_job(args, cfg, spec: str, nodes=None) -> dict:
+    """Run one device spec as its own process(es) and return rank 0's result; with ``nodes`` (a
+    ``launch.Job`` of several machines) as one torchrun job across them."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as d:
@@ -227,6 +229,9 @@ def run_job(args, cfg, spec: str) -> dict:
         for item in args.overrides:
             argv += ["--set", item]
         argv += ["--devices", spec, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result)]
+        if nodes is not None:
+            argv += ["--nnodes", str(nodes.nnodes), "--master", nodes.master]
+            argv += ["--node-rank", str(nodes.node_rank)] if nodes.node_rank is not None else []
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

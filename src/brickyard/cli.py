@@ -128,7 +128,8 @@ def _add_performance(sub, raw) -> None:
     """bench, memory, boost."""
     b = sub.add_parser("bench", help="throughput, step-time breakdown and scaling over device specs",
                        epilog="examples:\n  brickyard bench mnist --steps 50\n  brickyard bench mnist --devices cpu:1 cpu:2 --out runs/bench\n"
-                              "  brickyard bench mnist --devices 0 0,1 0,1,2,3\n  brickyard bench mnist --loader\n", formatter_class=raw)
+                              "  brickyard bench mnist --devices 0 0,1 0,1,2,3\n  brickyard bench mnist --loader\n"
+                              "  brickyard bench mnist --devices cpu:1 --nnodes 2 --node-rank 0 --master 10.0.0.1:29500   (and rank 1 on node 1)\n", formatter_class=raw)
     b.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--steps", type=int, default=50, help="timed steps per pass (default 50)")
@@ -136,6 +137,9 @@ def _add_performance(sub, raw) -> None:
     b.add_argument("--devices", nargs="+", metavar="SPEC", help="one or more specs: cpu, cpu:N, cuda, 0,1 ...")
     b.add_argument("--out", help="folder for bench.json and scaling.png (several specs)")
     b.add_argument("--loader", action="store_true", help="compare the in-memory and streaming loaders")
+    b.add_argument("--nnodes", default="1", metavar="N", help="also time each spec across N machines (run the same command on each)")
+    b.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous")
+    b.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (with --nnodes)")
     b.add_argument("--device", help=argparse.SUPPRESS)
     b.add_argument("--result", help=argparse.SUPPRESS)  # a worker job writes rank 0's result here
 

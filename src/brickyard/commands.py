@@ -56,6 +56,12 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def launch_job(args, cfg):
+    """The machines a bench spans (``--nnodes``, ``--node-rank``, ``--master``), checked once."""
+    from brickyard import launch
+    return launch.Job.from_args(args, cfg.dist.timeout_s, devices="cpu")
+
+
 def cmd_bench(args) -> int:
     from pathlib import Path
     from brickyard.config import load_config
@@ -70,13 +76,13 @@ def cmd_bench(args) -> int:
         spec = (args.devices or [None])[0]
         if spec is not None:
             job = launch.Job.from_args(args, cfg.dist.timeout_s, devices=spec)
-            if job.nproc > 1:
+            if job.world > 1:
                 worker = ["bench"] + ([args.config] if args.config else []) + [x for o in args.overrides for x in ("--set", o)]
                 worker += ["--device", job.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
                 return launch.run_torchrun(job, ["-m", "brickyard"] + worker, Path(args.result).parent)
             cfg = cfg.replace(**{"train.device": job.device})
         r = bench.run_local(cfg, args.steps, args.warmup)
-        if dist.from_env().is_main:
+        if dist.prints_errors():  # rank 0, and each machine's first worker: every node gets the figures
             write_json(Path(args.result), r)
         return 0
     if args.loader:
@@ -85,11 +91,17 @@ def cmd_bench(args) -> int:
             print(f"[{kind}] " + bench.format_result(r))
         return 0
     specs = args.devices or ["cpu"]
+    job = launch_job(args, cfg)
     results = []
-    for spec in specs:
+    for spec in specs if job.hosts_rendezvous() else []:  # one machine: node 0 alone, the others wait for it
         r = bench.run_job(args, cfg, spec)
         results.append((spec, r))
         print(f"--- devices {spec}\n{bench.format_result(r)}", flush=True)
+    for i, spec in enumerate(specs if job.nnodes > 1 else []):  # spec i meets at --master's port + i
+        host, _, port = job.master.rpartition(":")
+        r = bench.run_job(args, cfg, spec, job.replace(master=f"{host}:{int(port) + i}"))
+        results.append((f"{spec} x {job.nnodes} nodes", r))
+        print(f"--- devices {spec} on each of {job.nnodes} nodes\n{bench.format_result(r)}", flush=True)
     if len(results) > 1:
         table, rows = bench.scaling_table(results)
         print(table)

@@ -33,6 +33,10 @@ class Job:
     timeout_s: int = 300
     min_nodes: int = 0        # 0: as many as nnodes (a fixed-size job)
 
+    def replace(self, **changes) -> "Job":
+        import dataclasses
+        return dataclasses.replace(self, **changes)
+
     @property
     def world(self) -> int:
         """Processes at most (the whole job when its size is fixed)."""

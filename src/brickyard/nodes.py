@@ -53,7 +53,10 @@ def owns_address(host: str) -> bool:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` (as torch's stores do: connections of a job that
+    just ended, in TIME_WAIT, do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
             return True
