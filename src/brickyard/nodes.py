@@ -13,19 +13,16 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from brickyard.errors import BrickyardError
-
-if TYPE_CHECKING:
-    from brickyard.launch import Job
 
 
 LAST_CALL_S = 5  # elastic jobs: once MIN nodes are in, how long the rendezvous waits for more
 
 
-def torchrun_argv(job: Job) -> list[str]:
-    """torchrun's arguments for a job across machines: c10d rendezvous, ``is_host`` said, ``--local-addr``."""
+def torchrun_argv(job) -> list[str]:
+    """torchrun's arguments for a job (a ``launch.Job``) across machines: c10d rendezvous, ``is_host``
+    said, ``--local-addr``."""
     host, _, port = job.master.rpartition(":")
     is_host = job.hosts_rendezvous()
     # each rendezvous round gets a fresh store for the workers (hosted by global rank 0), so a node that
@@ -165,7 +162,7 @@ class RollCall:
 
     KEY = "brickyard/nodes"
 
-    def __init__(self, job: Job):
+    def __init__(self, job):  # a launch.Job
         import threading
         self.job, self.joined, self.connected = job, [], False
         host, _, port = job.master.rpartition(":")
