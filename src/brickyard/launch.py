@@ -251,4 +251,7 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
         if roll is not None and ("Rendezvous" in name or "timeout" in str(e).lower()):
             raise BrickyardError(roll.failure()) from None
         raise
+    finally:
+        if roll is not None:
+            roll.close()
     return 0

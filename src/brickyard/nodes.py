@@ -100,16 +100,17 @@ def use_interface(iface: str | None) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
-
 class AgentWatch:
     """Ends a multi-node command whose workers are gone while torchrun's agent still waits.
 
     Between checks of its workers the agent asks the rendezvous store whether nodes are waiting to
     join; with the network to that store cut the call never returns (seen with a link set down:
     the workers ended with their sentence, the command hung). This daemon thread watches this
-    process's children: once workers have run and none has been alive for ``grace`` seconds (time
-    for a healthy agent to return, or to rendezvous again when restarts are left), it takes their
-    exit code and ends the command with it. Linux only (``/proc``); elsewhere it does nothing.
+    process's children: a worker that has ended stays a zombie until the agent reaps it, which a
+    working agent does within a second, also while it waits at the exit barrier or rendezvous
+    again. When workers have run, none is alive and some have stayed unreaped for ``grace``
+    seconds, the agent is stuck: the watch reaps them and ends the command with their exit code.
+    Linux only (``/proc``); elsewhere it does nothing.
     """
 
     def __init__(self, grace: float):
@@ -141,18 +142,19 @@ class AgentWatch:
             kids = self._children()
             if any(state != "Z" for state in kids.values()):
                 seen, alive_at = True, time.monotonic()
-            elif seen and time.monotonic() - alive_at > self.grace:
+            elif seen and kids and time.monotonic() - alive_at > self.grace:  # unreaped: the agent is stuck
                 codes = []
                 for pid in kids:
                     try:
                         codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, os.WNOHANG)[1]))
                     except ChildProcessError:
                         pass
-                code = next((c for c in codes if c), 2)
-                if code not in (2, 130):  # 2 and 130: the node's first worker has said why
+                code = next((c for c in codes if c), 0)
+                if code not in (0, 2, 130):  # 2 and 130: the node's first worker has said why
                     print(f"error: this node's workers ended (exit code {code}) and torchrun's agent lost the "
                           f"rendezvous store; see the worker logs.", file=sys.stderr, flush=True)
-                os._exit(code if 0 < code < 256 else 1)
+                sys.stdout.flush()
+                os._exit(code if 0 <= code < 256 else 1)
 
 
 class RollCall:
@@ -165,6 +167,7 @@ class RollCall:
     def __init__(self, job):  # a launch.Job
         import threading
         self.job, self.joined, self.connected = job, [], False
+        self._done = threading.Event()
         host, _, port = job.master.rpartition(":")
         self.label = str(job.node_rank) if job.node_rank is not None else (route_to(host, int(port))[0] or host)
         threading.Thread(target=self._run, args=(host, int(port)), daemon=True, name="brickyard-roll-call").start()
@@ -177,11 +180,14 @@ class RollCall:
             store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.job.timeout_s))
             self.connected = True
             store.append(self.KEY, self.label + ",")
-            while True:
+            while not self._done.is_set() and len(self.joined) < self.job.nnodes:  # then nothing more to learn
                 self.joined = sorted({x for x in store.get(self.KEY).decode().split(",") if x})
                 time.sleep(1.0)
         except Exception:  # noqa: BLE001  no store (yet, or any more): the launcher's error says what it knows
             return
+
+    def close(self) -> None:
+        self._done.set()
 
     def failure(self) -> str:
         """The sentence for a rendezvous that did not complete."""
