@@ -239,9 +239,10 @@ class Heartbeat:
 
     def __init__(self, info: DistInfo, interval: float = 1.0):
         import threading
+        import time
         self.info, self.interval = info, interval
         self.store = _job_store(info)
-        self.last_ok = __import__("time").time()
+        self.last_ok = time.time()
         self._stop = threading.Event()
         self._thread = None
         if self.store is not None:
@@ -258,6 +259,11 @@ class Heartbeat:
             self.last_ok = time.time()
             self._stop.wait(self.interval)
 
+    @property
+    def _silent_after(self) -> float:
+        """Seconds without a heartbeat after which a rank counts as silent."""
+        return 3 * self.interval + 1
+
     def silent_ranks(self) -> list[int] | None:
         """The ranks whose heartbeat stopped; None when this rank itself no longer reaches the store
         (its own writes stopped, or reading the others' does not finish within a few seconds)."""
@@ -265,12 +271,12 @@ class Heartbeat:
         import time
         if self.store is None:
             return []
-        if time.time() - self.last_ok > 3 * self.interval + 1:
+        if time.time() - self.last_ok > self._silent_after:
             return None
         found: list[list[int]] = []
         reader = threading.Thread(target=lambda: found.append(self._read_silent()), daemon=True)
         reader.start()
-        reader.join(timeout=3 * self.interval + 1)  # a store across a cut network never answers
+        reader.join(timeout=self._silent_after)  # a store across a cut network never answers
         return found[0] if found else None
 
     def _read_silent(self) -> list[int]:
@@ -282,7 +288,7 @@ class Heartbeat:
                 last = float(self.store.get(key)) if self.store.check([key]) else 0.0
             except Exception:  # noqa: BLE001
                 continue
-            if now - last > 3 * self.interval + 1:
+            if now - last > self._silent_after:
                 silent.append(r)
         return silent
 
