@@ -2,6 +2,10 @@
 
 A schedule is a pure function of the optimiser step, so resuming needs no scheduler state:
 ``lr_at(step)`` is recomputed and written into every parameter group (times its ``lr_mult``).
+
+SGD (plain, momentum, Nesterov), Adam and AdamW are brickyard's own ``Optimizer``: the updates and
+the ``state_dict`` layout of ``torch.optim``'s, in foreach ops. Any ``torch.optim`` optimiser
+imports ``torch._dynamo`` on its first call, about 1 s of every command on a 2-core CPU.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from brickyard.errors import ConfigError
 
 
-def build_optimizer(cfg, params) -> torch.optim.Optimizer:
+def build_optimizer(cfg, params):
     """``cfg`` is an ``OptimConfig``; ``params`` parameters or groups (each may carry ``lr_mult``)."""
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
@@ -23,17 +27,120 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
         g["lr"] = cfg.lr * g["lr_mult"]
     wd, name = cfg.weight_decay, cfg.name
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, weight_decay=wd)
+        return SGD(groups, lr=cfg.lr, weight_decay=wd)
     if name in ("momentum", "nesterov"):
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=name == "nesterov", weight_decay=wd)
+        return SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=name == "nesterov", weight_decay=wd)
     if name == "adagrad":
         return torch.optim.Adagrad(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps)
     if name == "adadelta":
         return torch.optim.Adadelta(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps)
     if len(cfg.betas) != 2:
         raise ConfigError(f"optim.betas: {list(cfg.betas)} must be two numbers, e.g. [0.9, 0.999].")
-    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=wd)
+    return Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=wd, decoupled=name == "adamw")
+
+
+class Optimizer:
+    """``param_groups``, ``state`` (per parameter), ``zero_grad``, ``step``, and a ``state_dict`` in
+    ``torch.optim``'s layout: checkpoints written with ``torch.optim``'s optimiser of the same kind load."""
+
+    def __init__(self, groups, **defaults):
+        self.defaults = defaults
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            if params:
+                self._update(g, params, [p.grad for p in params])
+        return loss
+
+    def state_dict(self) -> dict:
+        index = {id(p): i for i, p in enumerate(self._params())}
+        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()},
+                "param_groups": [{**g, "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the parameter groups differ in number or size from this model's")
+        params = self._params()
+        for g, s in zip(self.param_groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        self.state = {params[int(i)]: {k: _like(v, params[int(i)], k) for k, v in s.items()}
+                      for i, s in state["state"].items()}
+
+
+def _like(value, param, key):
+    if not torch.is_tensor(value) or key == "step":
+        return value
+    return value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
+
+
+class SGD(Optimizer):
+    def __init__(self, groups, lr, momentum=0.0, nesterov=False, weight_decay=0.0):
+        super().__init__(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, dampening=0.0)
+
+    def _update(self, g, params, grads):
+        if g["weight_decay"]:
+            grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
+        m = g["momentum"]
+        if m:
+            bufs = [self.state.setdefault(p, {}).get("momentum_buffer") for p in params]
+            if any(b is None for b in bufs):  # the first step: the buffer starts as the gradient
+                bufs = [torch.clone(d).detach() if b is None else b.mul_(m).add_(d) for b, d in zip(bufs, grads)]
+                for p, b in zip(params, bufs):
+                    self.state[p]["momentum_buffer"] = b
+            else:
+                torch._foreach_mul_(bufs, m)
+                torch._foreach_add_(bufs, grads)
+            grads = torch._foreach_add(grads, bufs, alpha=m) if g["nesterov"] else bufs
+        torch._foreach_add_(params, grads, alpha=-g["lr"])
+
+
+class Adam(Optimizer):
+    """Adam, or AdamW with ``decoupled`` (weight decay on the weights, not added to the gradient)."""
+
+    def __init__(self, groups, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+
+    def _update(self, g, params, grads):
+        (b1, b2), lr, wd = g["betas"], g["lr"], g["weight_decay"]
+        for p in params:
+            if p not in self.state:
+                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+        states = [self.state[p] for p in params]
+        avg, sq = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        if wd and g["decoupled"]:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        elif wd:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        torch._foreach_lerp_(avg, grads, 1 - b1)
+        torch._foreach_mul_(sq, b2)
+        torch._foreach_addcmul_(sq, grads, grads, 1 - b2)
+        n = [float(s) for s in steps]
+        denom = torch._foreach_sqrt(sq)
+        torch._foreach_div_(denom, [(1 - b2 ** k) ** 0.5 for k in n])
+        torch._foreach_add_(denom, g["eps"])
+        torch._foreach_addcdiv_(params, avg, denom, [-lr / (1 - b1 ** k) for k in n])
 
 
 class Schedule:
@@ -69,7 +176,7 @@ def _cos(a: float, b: float, t: float) -> float:
     return b + (a - b) * (1 + math.cos(math.pi * min(1.0, t))) / 2
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_mult", 1.0)
 

@@ -20,7 +20,7 @@ from brickyard.errors import BrickyardError
 class Run:
     config: Any                       # the resolved, frozen Config
     model: nn.Module                  # the model being trained (never the DDP wrapper)
-    optimizer: torch.optim.Optimizer
+    optimizer: Any                    # brickyard.optim.Optimizer (or a torch.optim one): param_groups, step, state_dict
     rank: int
     world_size: int
     device: torch.device

@@ -160,7 +160,8 @@ def _torch_flags():
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0])
+        if torch.are_deterministic_algorithms_enabled() != saved[0]:  # the setter imports torch._inductor (1 s)
+            torch.use_deterministic_algorithms(saved[0])
         torch.backends.cudnn.benchmark = saved[1]
         torch.set_num_threads(saved[2])
 
