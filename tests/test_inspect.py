@@ -60,28 +60,6 @@ def test_run_writes_events_plots_and_rich_metrics(trained):
     assert any(t.startswith("grads/") for t in ev.Tags()["histograms"])
 
 
-def test_the_runs_plotting_process_draws_what_brickyard_plot_draws(trained, tmp_path):
-    """The run's pictures come from a second process started with the run (matplotlib off the end of
-    the run); `brickyard plot` draws them in its own process from the files: the same bytes."""
-    r = run_cli("plot", str(trained), "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    for png in ("curves.png", "confusion.png", "misclassified.png"):
-        assert (tmp_path / png).read_bytes() == (trained / png).read_bytes(), png
-
-
-def test_a_plotting_process_that_fails_costs_the_pictures_only(tmp_path):
-    """matplotlib missing where the worker runs: one warning line, the run and its files intact."""
-    fake = tmp_path / "fake"
-    (fake / "matplotlib").mkdir(parents=True)
-    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
-    r = run_cli("train", "mnist", "--run-dir", str(tmp_path / "run"), *sets(*SYNTH, "train.epochs=1"),
-                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))})
-    assert r.returncode == 0, r.stderr
-    assert "no plots: plots need matplotlib (pip install matplotlib)." in (tmp_path / "run" / "train.log").read_text()
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["test_accuracy"] is not None
-    assert not list((tmp_path / "run").glob("*.png"))
-
-
 def test_plot_overlays_several_runs(trained, tmp_path):
     r = run_cli("plot", str(trained), str(trained), "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

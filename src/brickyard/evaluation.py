@@ -62,7 +62,6 @@ def finish(run, progress, wall_start: float) -> dict:
     last_val = run.extras.get("last_val")
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
-    errors = None
     if data.test is not None:
         keep = 36 if run.is_main and cfg.train.plots and data.is_images else 0
         r = evaluate_split(run, data.test, keep)
@@ -76,8 +75,6 @@ def finish(run, progress, wall_start: float) -> dict:
             wrong_images, true, pred = r["errors"]
             torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
                         "mean": list(data.mean), "std": list(data.std)}, run.run_dir / "test_errors.pt")
-            errors = {"images": wrong_images.cpu().numpy(), "true": true.tolist(), "pred": pred.tolist(),
-                      "classes": list(data.classes)}
     summary.update(
         train_seconds=round(progress.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(run.device),
@@ -89,18 +86,16 @@ def finish(run, progress, wall_start: float) -> dict:
     if run.is_main:
         write_json(run.run_dir / "summary.json", summary)
         if cfg.train.plots:  # after summary.json is safely written; their time is added to it
-            summary["plot_seconds"] = _plots(run, errors)
+            summary["plot_seconds"] = _plots(run)
             write_json(run.run_dir / "summary.json", summary)
     return summary
 
 
-def _plots(run, errors) -> float:
-    """The run's pictures, by the worker the run started (``train.plots``); the seconds waited for them."""
+def _plots(run) -> float:
     from brickyard.plots import plot_runs
     start = time.perf_counter()
-    worker = run.extras.get("plotter")
     try:
-        worker.draw(run.run_dir, errors) if worker else plot_runs([run.run_dir])
+        plot_runs([run.run_dir])
     except BrickyardError as e:
         run.log.warning(f"no plots: {e}")
     return round(time.perf_counter() - start, 3)

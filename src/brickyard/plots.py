@@ -5,17 +5,9 @@ is most of the cost; this halves the time a run spends on its pictures).
 
 ``plot_runs([run])`` writes ``curves.png``, ``confusion.png`` and ``misclassified.png`` into the run
 directory; several runs overlay their curves in one ``curves.png`` written to ``out``.
-
-A training run draws them in a ``Worker``: a second process, started when the run starts, that
-imports matplotlib and draws a first figure while the run trains (0.5 s that left the end of every
-run), then draws the run's pictures once it is handed the test's misclassified images. This module
-imports no torch, so the worker starts in a fraction of a second.
 """
 from __future__ import annotations
 
-import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 from brickyard.errors import BrickyardError
@@ -40,75 +32,15 @@ def plot_runs(run_dirs, out: Path | None = None) -> list[Path]:
     plt = _pyplot()
     out = Path(out) if out else runs[0]
     out.mkdir(parents=True, exist_ok=True)
+    written = [_curves(plt, runs, out / ("curves.png" if len(runs) == 1 else "compare-curves.png"))]
     if len(runs) == 1:
-        return _draw_run(plt, runs[0], _load_errors(runs[0] / "test_errors.pt"), out)
-    return [_curves(plt, runs, out / "compare-curves.png")]
-
-
-def _draw_run(plt, run: Path, errors: dict | None, out: Path) -> list[Path]:
-    written = [_curves(plt, [run], out / "curves.png")]
-    test = [x for x in read_metrics(run / "metrics.jsonl") if x.get("kind") == "test" and "confusion" in x]
-    if test:
-        written.append(_confusion(plt, test[-1]["confusion"], out / "confusion.png"))
-    if errors is not None:
-        written.append(_misclassified(plt, errors, out / "misclassified.png"))
+        rows = read_metrics(runs[0] / "metrics.jsonl")
+        test = [x for x in rows if x.get("kind") == "test" and "confusion" in x]
+        if test:
+            written.append(_confusion(plt, test[-1]["confusion"], out / "confusion.png"))
+        if (runs[0] / "test_errors.pt").is_file():
+            written.append(_misclassified(plt, runs[0] / "test_errors.pt", out / "misclassified.png"))
     return written
-
-
-def _load_errors(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    import torch
-    d = torch.load(path, weights_only=True)
-    return {"images": d["images"].numpy(), "true": d["true"].tolist(), "pred": d["pred"].tolist(), "classes": d["classes"]}
-
-
-class Worker:
-    """``draw(run_dir, errors)`` in a process of its own that is ready by the time a run ends.
-    ``errors`` is the misclassified test images as ``_load_errors`` gives them (or None)."""
-
-    def __init__(self):
-        import os
-        path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "brickyard.plots"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
-
-    def draw(self, run_dir: Path, errors: dict | None) -> None:
-        """Hand the run over and wait until its pictures are on disk; a failure is a ``BrickyardError``."""
-        try:
-            job = pickle.dumps((str(run_dir), errors))  # length first: a forked data-loader worker may hold the pipe open
-            out, err = self.proc.communicate(len(job).to_bytes(8, "little") + job, timeout=300)
-        except subprocess.TimeoutExpired:  # (a worker that ended early is seen below: communicate ignores the broken pipe)
-            self.close()
-            out, err = b"", b"the plotting process took more than 300 s"
-        if self.proc.returncode != 0 or not out.startswith(b"ok"):
-            lines = (err or out).decode(errors="replace").strip().splitlines() or ["the plotting process failed"]
-            raise BrickyardError(lines[-1].removeprefix("error: "))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _serve() -> None:
-    """The worker's side: matplotlib ready, one figure drawn (fonts, Agg), then the run's pictures."""
-    import io
-    try:
-        plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(2, 2))
-        ax.plot([0, 1], [0, 1], label="warm")
-        ax.legend()
-        fig.savefig(io.BytesIO(), dpi=30)
-        plt.close(fig)
-        size = sys.stdin.buffer.read(8)
-        if len(size) < 8:  # the run ended before its pictures (failed, interrupted): nothing to draw
-            return
-        run_dir, errors = pickle.loads(sys.stdin.buffer.read(int.from_bytes(size, "little")))
-        _draw_run(plt, Path(run_dir), errors, Path(run_dir))
-    except BrickyardError as e:
-        sys.exit(f"error: {e}")
-    print("ok", flush=True)
 
 
 def _curves(plt, runs, path: Path) -> Path:
@@ -157,14 +89,16 @@ def _confusion(plt, confusion, path: Path) -> Path:
     return path
 
 
-def _misclassified(plt, d: dict, path: Path) -> Path:
+def _misclassified(plt, source: Path, path: Path) -> Path:
     """One mosaic image (fast to draw) with a 'true/pred' label over each tile."""
     import numpy as np
-    images, true, pred, classes = d["images"].astype(np.float32), d["true"], d["pred"], d["classes"]
+    import torch
+    d = torch.load(source, weights_only=True)
+    images, true, pred, classes = d["images"].float(), d["true"].tolist(), d["pred"].tolist(), d["classes"]
     n, c, h, w = images.shape
-    if d["images"].dtype != np.uint8:
-        lo, hi = images.min((1, 2, 3), keepdims=True), images.max((1, 2, 3), keepdims=True)
-        images = (images - lo) / (hi - lo).clip(min=1e-6) * 255
+    if images.dtype != torch.uint8 and d["images"].dtype != torch.uint8:
+        lo, hi = images.amin((1, 2, 3), keepdim=True), images.amax((1, 2, 3), keepdim=True)
+        images = (images - lo) / (hi - lo).clamp(min=1e-6) * 255
     cols = 6
     rows = max(1, (n + cols - 1) // cols)
     pad, gap = max(4, h // 3), max(2, w // 8)
@@ -172,7 +106,7 @@ def _misclassified(plt, d: dict, path: Path) -> Path:
     mosaic = np.full((rows * (h + pad), cols * W, c), 255.0)
     for k in range(n):
         r, q = divmod(k, cols)
-        mosaic[r * (h + pad) + pad:(r + 1) * (h + pad), q * W:q * W + w] = images[k].transpose(1, 2, 0)
+        mosaic[r * (h + pad) + pad:(r + 1) * (h + pad), q * W:q * W + w] = images[k].permute(1, 2, 0).numpy()
     fig, ax = plt.subplots(figsize=(cols * 1.4, rows * 1.6))
     ax.imshow(mosaic.squeeze(-1) if c == 1 else mosaic.astype(np.uint8), cmap="gray" if c == 1 else None, vmin=0, vmax=255)
     name = lambda i: classes[i] if i < len(classes) else str(i)  # noqa: E731
@@ -185,7 +119,3 @@ def _misclassified(plt, d: dict, path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-if __name__ == "__main__":
-    _serve()

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from brickyard.errors import BrickyardError
 
 
@@ -104,7 +106,6 @@ def read_metrics(path: Path) -> list[dict]:
 
 def env_record(device: torch.device, seed: int, world_size: int, extra: dict | None = None) -> dict:
     import numpy
-    import torch  # here, so the plotting worker (brickyard.plots) reads metrics without importing torch
     from brickyard import __version__
     info = {
         "brickyard": __version__, "python": platform.python_version(), "torch": torch.__version__,

@@ -35,7 +35,6 @@ from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
 from brickyard.errors import BrickyardError, CheckpointError
 from brickyard.evaluation import evaluate, evaluate_split, finish
-from brickyard.plots import Worker
 from brickyard.runlog import Logger, MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
 from brickyard.state import Run
 from brickyard.tboard import TBWriter
@@ -177,10 +176,9 @@ def _run_in(run_dir: Path, log_dir, cfg, model, data, resume, meta, info, host, 
     log = Logger(info.rank, tuple([log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
     heartbeat = None
-    plotter = Worker() if info.is_main and cfg.train.plots else None  # ready when the run ends
     try:
         heartbeat = dist.Heartbeat(info)
-        return _train(cfg, model, data, run_dir, resume, meta, info, host, log, metrics, wall_start, user, plotter)
+        return _train(cfg, model, data, run_dir, resume, meta, info, host, log, metrics, wall_start, user)
     except BrickyardError as e:
         log.error(str(e))
         raise
@@ -189,14 +187,12 @@ def _run_in(run_dir: Path, log_dir, cfg, model, data, resume, meta, info, host, 
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        if plotter is not None:
-            plotter.close()
         metrics.close()
         log.close()
 
 
 def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: Logger, metrics: MetricsWriter,
-           wall_start, user, plotter) -> dict:
+           wall_start, user) -> dict:
     user_callbacks, loss_fn, user_step = user
     if resume and cfg.dist.mode == "ps":
         raise BrickyardError(ps.NO_RESUME)
@@ -204,7 +200,6 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
     if cfg.data.batch_size == "auto":
         cfg = assemble.resolve_auto_batch(cfg, model, data, host.device, info, log)
     run = assemble.build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step)
-    run.extras["plotter"] = plotter
     if run.update is None:  # a parameter server: it serves until the trainers are done
         return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
