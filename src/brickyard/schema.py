@@ -83,7 +83,7 @@ class ParamGroupRule:
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = _opt("adam", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
-    lr: float = _opt(0.01, min=0.0, doc="base (peak) learning rate")
+    lr: float = _opt(0.02, min=0.0, doc="base (peak) learning rate")
     momentum: float = _opt(0.9, min=0.0, max=1.0)
     weight_decay: float = _opt(0.0, min=0.0)
     betas: tuple = _opt((0.7, 0.9))
@@ -108,7 +108,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: float = _opt(2.0, min=0.0, doc="may be fractional")
+    epochs: float = _opt(1.0, min=0.0, doc="may be fractional")
     max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit)")
     device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
