@@ -60,6 +60,18 @@ def test_run_writes_events_plots_and_rich_metrics(trained):
     assert any(t.startswith("grads/") for t in ev.Tags()["histograms"])
 
 
+def test_brickyard_plot_redraws_a_runs_pictures_exactly(trained, tmp_path):
+    """The pictures a run draws at its end and `brickyard plot` draws later from its files are the
+    same bytes; each has content (more than the white background and the frame)."""
+    from PIL import Image
+    r = run_cli("plot", str(trained), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for png in ("curves.png", "confusion.png", "misclassified.png"):
+        assert (tmp_path / png).read_bytes() == (trained / png).read_bytes(), png
+        colours = Image.open(tmp_path / png).convert("RGB").getcolors(maxcolors=1 << 16)
+        assert colours is None or len(colours) > 20, png
+
+
 def test_plot_overlays_several_runs(trained, tmp_path):
     r = run_cli("plot", str(trained), str(trained), "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

@@ -203,19 +203,9 @@ def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
 
 
 def plot_scaling(rows: list[dict], path: Path) -> None:
-    from brickyard.plots import _pyplot
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ws = [r["world_size"] for r in rows]
-    ax.plot(ws, [r["images_per_second"] for r in rows], "o-", label="images/s")
-    ax.set(xlabel="world size (processes)", ylabel="images/s")
-    ax2 = ax.twinx()
-    ax2.plot(ws, [100 * r["efficiency"] for r in rows], "s--", color="tab:orange", label="efficiency %")
-    ax2.set(ylabel="scaling efficiency (%)", ylim=(0, 110))
-    fig.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    from brickyard.plots import scaling
+    scaling([r["world_size"] for r in rows], [r["images_per_second"] for r in rows],
+            [100 * r["efficiency"] for r in rows], path)
 
 
 def run_job(args, cfg, spec: str, nodes=None) -> dict:
