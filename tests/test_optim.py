@@ -102,3 +102,20 @@ def test_training_never_imports_dynamo(tmp_path):
     r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "dynamo imported: False" in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["nesterov", "adam"])
+def test_a_group_added_later_trains_as_torch_optims_does(kind):
+    """A callback that unfreezes layers adds a parameter group mid-run (the torch.optim call)."""
+    theirs, ours = KINDS[kind]
+    runs = []
+    for make in (theirs, ours):
+        model = _model()
+        head, body = list(model[2].parameters()), list(model[0].parameters())
+        opt = make(head)
+        _train(model, opt, 5)
+        opt.add_param_group({"params": body, "lr": 0.003})
+        _train(model, opt, 5, seed=2)
+        assert opt.state[body[0]]  # the added group has state after its first step
+        runs.append(model)
+    assert _max_diff(*runs) < 1e-6

@@ -9,6 +9,7 @@ imports ``torch._dynamo`` on its first call, about 1 s of every command on a 2-c
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -45,8 +46,14 @@ class Optimizer:
 
     def __init__(self, groups, **defaults):
         self.defaults = defaults
-        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
-        self.state: dict = {}
+        self.param_groups: list[dict] = []
+        self.state: dict = collections.defaultdict(dict)  # as torch.optim's: state[p] is {} before p's first step
+        for g in groups:
+            self.add_param_group(g)
+
+    def add_param_group(self, group: dict) -> None:
+        """More parameters to train (e.g. layers unfrozen by a callback), with their own settings."""
+        self.param_groups.append({**self.defaults, **group, "params": list(group["params"])})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params():
@@ -82,8 +89,8 @@ class Optimizer:
         params = self._params()
         for g, s in zip(self.param_groups, saved):
             g.update({k: v for k, v in s.items() if k != "params"})
-        self.state = {params[int(i)]: {k: _like(v, params[int(i)], k) for k, v in s.items()}
-                      for i, s in state["state"].items()}
+        self.state = collections.defaultdict(dict, {params[int(i)]: {k: _like(v, params[int(i)], k) for k, v in s.items()}
+                                                    for i, s in state["state"].items()})
 
 
 def _like(value, param, key):
@@ -101,7 +108,7 @@ class SGD(Optimizer):
             grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
         m = g["momentum"]
         if m:
-            bufs = [self.state.setdefault(p, {}).get("momentum_buffer") for p in params]
+            bufs = [self.state[p].get("momentum_buffer") for p in params]
             if any(b is None for b in bufs):  # the first step: the buffer starts as the gradient
                 bufs = [torch.clone(d).detach() if b is None else b.mul_(m).add_(d) for b, d in zip(bufs, grads)]
                 for p, b in zip(params, bufs):
@@ -122,7 +129,7 @@ class Adam(Optimizer):
     def _update(self, g, params, grads):
         (b1, b2), lr, wd = g["betas"], g["lr"], g["weight_decay"]
         for p in params:
-            if p not in self.state:
+            if not self.state.get(p):
                 self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
         states = [self.state[p] for p in params]
