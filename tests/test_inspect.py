@@ -232,3 +232,21 @@ def test_predict_from_python(trained):
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     res = brickyard.predict(model, torch.randn(2, 1, 2, 2), outputs=["1"])
     assert res["1"].shape == (2, 3)
+
+
+def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):
+    """A diverging loss (huge, inf, NaN), one point, no accuracy (a regression): pictures, no error."""
+    from brickyard.plots import _ticks, plot_runs
+    rows = [{"kind": "train", "step": 1, "epoch": 0.1, "loss": 2.3, "accuracy": 0.1},
+            {"kind": "train", "step": 2, "epoch": 0.2, "loss": 1e30, "accuracy": None},
+            {"kind": "train", "step": 3, "epoch": 0.3, "loss": float("inf"), "accuracy": None},
+            {"kind": "train", "step": 4, "epoch": 0.4, "loss": float("nan")},
+            {"kind": "val", "step": 4, "epoch": 0.4, "loss": 0.0, "accuracy": None},
+            {"kind": "test", "step": 4, "confusion": [[3, 1], [0, 4]]}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    written = plot_runs([tmp_path])
+    assert [p.name for p in written] == ["curves.png", "confusion.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert _ticks(0.5, 1.2, log=True) == pytest.approx([0.5, 0.7, 1.0])
+    assert len(_ticks(1e-3, 1e30, log=True)) <= 7
+    assert _ticks(0.0, 1.0, log=False) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])

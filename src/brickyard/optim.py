@@ -129,7 +129,7 @@ class Adam(Optimizer):
     def _update(self, g, params, grads):
         (b1, b2), lr, wd = g["betas"], g["lr"], g["weight_decay"]
         for p in params:
-            if not self.state.get(p):
+            if "step" not in self.state[p]:  # (a state without it, e.g. SGD's from a checkpoint, starts afresh)
                 self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
         states = [self.state[p] for p in params]

@@ -50,7 +50,8 @@ def _ticks(lo: float, hi: float, log: bool) -> list[float]:
     if log:
         a, b, decades = math.floor(math.log10(lo)), math.ceil(math.log10(hi)), math.log10(hi / lo)
         mults = (1,) if decades > 3 else (1, 2, 5) if decades > 1.2 else (1, 1.5, 2, 3, 5, 7)
-        return [m * 10 ** e for e in range(a, b + 1) for m in mults if lo <= m * 10 ** e <= hi]
+        every = max(1, (b - a) // 6)  # a diverging loss spans many decades: about six labels
+        return [m * 10 ** e for e in range(a, b + 1, every) for m in mults if lo <= m * 10 ** e <= hi]
     raw = (hi - lo) / 5 or 1.0
     step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)), key=lambda s: abs(s - raw))
     return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
