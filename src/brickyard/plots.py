@@ -150,7 +150,7 @@ def _curves(runs, path: Path) -> Path:
             label = kind if len(runs) == 1 else f"{run.name}: {kind}"
             for col, key in enumerate(("step", "epoch")):
                 xs = [x[key] for x in pts]
-                axes[0][col].plot(xs, [x["loss"] for x in pts], COLORS[i % 10], kind, label)
+                axes[0][col].plot(xs, [x.get("loss") for x in pts], COLORS[i % 10], kind, label)
                 axes[1][col].plot(xs, [x.get("accuracy") for x in pts], COLORS[i % 10], kind, label)
     for row in axes:
         for ax in row:
@@ -231,7 +231,7 @@ def _misclassified(source: Path, path: Path) -> Path:
     for k in range(n):
         r, q = divmod(k, cols)
         x, y = 10 + q * (tw + 10), 30 + r * (th + label + 8)
-        tile = Image.fromarray(pixels[k, :, :, 0] if c == 1 else pixels[k, :, :, :3]).convert("RGB")
+        tile = Image.fromarray(pixels[k, :, :, :3] if c in (3, 4) else pixels[k, :, :, 0]).convert("RGB")
         img.paste(tile.resize((tw, th), Image.NEAREST), (x, y + label))
         d.text((x + tw / 2, y + label / 2), f"{name(true[k])}>{name(pred[k])}", fill="red", font=small, anchor="mm")
     img.save(path)
