@@ -49,7 +49,7 @@ def main(argv=None):
         trains.append(s["train_seconds"])
         plots = s.get("plot_seconds", 0.0)
         start_up = wall - s["wall_seconds"] - plots  # interpreter, imports, config, data before the trainer; exit after it
-        rest = s["wall_seconds"] - s["train_seconds"]  # optimiser set-up (imports torch._dynamo), evaluations, checkpoints
+        rest = s["wall_seconds"] - s["train_seconds"]  # model and optimiser set-up, evaluations, checkpoints
         print(f"run {i} (seed {i}): test accuracy {s['test_accuracy']:.4f}, whole command {wall:.1f} s = start-up and exit {start_up:.1f} s "
               f"+ training loop {s['train_seconds']:.1f} s + set-up/evaluation/checkpoints {rest:.1f} s + plots {plots:.1f} s; "
               f"{s['images_per_second']:,.0f} img/s on {s['device']} ({s['precision']})", flush=True)
