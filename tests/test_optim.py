@@ -1,11 +1,13 @@
 """brickyard's own optimisers: the updates of torch.optim's, their checkpoints, and no torch._dynamo."""
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from brickyard.optim import SGD, Adam
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, sets
 
 # (torch.optim's, brickyard's) for each kind the config names; fp32 on the CPU, one thread
 KINDS = {
@@ -97,8 +99,6 @@ def test_training_never_imports_dynamo(tmp_path):
         f"main(['train', '--run-dir', {str(tmp_path / 'run')!r}, "
         + ", ".join(repr(a) for a in sets(*SYNTH, "optim.name=adam", "train.epochs=1", "train.plots=false")) + "])\n"
         "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n")
-    import subprocess
-    import sys
     r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "dynamo imported: False" in r.stdout

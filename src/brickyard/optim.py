@@ -108,14 +108,12 @@ class SGD(Optimizer):
             grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
         m = g["momentum"]
         if m:
-            bufs = [self.state[p].get("momentum_buffer") for p in params]
-            if any(b is None for b in bufs):  # the first step: the buffer starts as the gradient
-                bufs = [torch.clone(d).detach() if b is None else b.mul_(m).add_(d) for b, d in zip(bufs, grads)]
-                for p, b in zip(params, bufs):
-                    self.state[p]["momentum_buffer"] = b
-            else:
-                torch._foreach_mul_(bufs, m)
-                torch._foreach_add_(bufs, grads)
+            for p in params:  # zeros: after the first step the buffer is the gradient, as torch.optim starts it
+                if self.state[p].get("momentum_buffer") is None:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_mul_(bufs, m)
+            torch._foreach_add_(bufs, grads)
             grads = torch._foreach_add(grads, bufs, alpha=m) if g["nesterov"] else bufs
         torch._foreach_add_(params, grads, alpha=-g["lr"])
 

@@ -133,7 +133,10 @@ def _line(d, xy, color, dash) -> None:
 def _marker(d, x, y, color, kind) -> None:
     r = 2 if kind == "dot" else 4
     box = [x - r, y - r, x + r, y + r]
-    d.rectangle(box, fill=color) if kind == "square" else d.ellipse(box, fill=color)
+    if kind == "square":
+        d.rectangle(box, fill=color)
+    else:
+        d.ellipse(box, fill=color)
 
 
 def _curves(runs, path: Path) -> Path:
