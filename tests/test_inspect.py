@@ -72,6 +72,20 @@ def test_brickyard_plot_redraws_a_runs_pictures_exactly(trained, tmp_path):
         assert colours is None or len(colours) > 20, png
 
 
+def test_a_damaged_test_errors_file_is_one_error_line_and_nothing_else_changes(trained, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "test_errors.pt").write_text("garbage")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    r = run_cli("plot", str(run))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: test errors {run / 'test_errors.pt'} cannot be read: it is not a file written by torch.save "
+        "(another format, or cut short)."], r.stderr
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert after == before  # curves.png is drawn again, from the same metrics: the same bytes
+
+
 def test_plot_overlays_several_runs(trained, tmp_path):
     r = run_cli("plot", str(trained), str(trained), "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

@@ -41,22 +41,28 @@ def save_atomic(state: dict, path: Path) -> None:
         raise
 
 
-def load(path: str | Path) -> dict:
+def read(path: str | Path, what: str = "checkpoint"):
+    """A file written by ``torch.save`` (weights only, on the CPU); a missing, foreign or damaged
+    file is a ``CheckpointError`` sentence that calls it ``what``."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist.")
+        raise CheckpointError(f"{what} {path} does not exist.")
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"checkpoint {path} cannot be read: it is not a file written by torch.save "
+        raise CheckpointError(f"{what} {path} cannot be read: it is not a file written by torch.save "
                               f"(another format, or cut short).")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
         # torch's weights-only refusal says what it met on a line of its own
         reason = next((x for x in lines if "unsupported" in x.lower()), lines[0])
-        raise CheckpointError(f"checkpoint {path} cannot be read ({reason[:160]}).") from None
+        raise CheckpointError(f"{what} {path} cannot be read ({reason[:160]}).") from None
+
+
+def load(path: str | Path) -> dict:
+    state = read(path)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
     return state

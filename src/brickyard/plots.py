@@ -216,7 +216,11 @@ def _confusion(confusion, path: Path) -> Path:
 def _misclassified(source: Path, path: Path) -> Path:
     """One mosaic, each tile scaled up and labelled 'true>predicted'."""
     import torch
-    e = torch.load(source, weights_only=True)
+
+    from brickyard.checkpoint import read
+    e = read(source, "test errors")
+    if not isinstance(e, dict) or not {"images", "true", "pred", "classes"} <= set(e):
+        raise BrickyardError(f"test errors {source} is not what a run writes there (images, true, pred, classes).")
     images, true, pred, classes = e["images"].float(), e["true"].tolist(), e["pred"].tolist(), e["classes"]
     n, c, h, w = images.shape
     if e["images"].dtype != torch.uint8:
