@@ -283,3 +283,21 @@ def test_a_bad_slurm_environment_is_one_sentence(nodelist, message, tmp_path):
                        capture_output=True, text=True, env=full, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == message, r.stderr[-2000:]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
+    """The launcher gave up on a master that never answered and exited while the roll call's own
+    connection attempt was timing out: the C++ exception met the interpreter's exit and the process
+    aborted (SIGABRT, seen once in CI; reproduced 3 times in 20 by exiting at the store's timeout).
+    So ``close()``, which the launcher calls on every way out, ends the thread first, however long
+    the job's timeout."""
+    import threading
+    from types import SimpleNamespace
+    from brickyard.launch import _free_port
+    from brickyard.nodes import RollCall
+    roll = RollCall(SimpleNamespace(master=f"127.0.0.1:{_free_port()}", node_rank=1, timeout_s=60, nnodes=2))
+    time.sleep(1.5)  # inside a connection attempt to a master that is not there
+    start = time.monotonic()
+    roll.close()
+    assert not [t for t in threading.enumerate() if t.name == "brickyard-roll-call"]
+    assert time.monotonic() - start < 3 * RollCall.STEP_S + 0.5 and not roll.connected

@@ -160,9 +160,12 @@ class AgentWatch:
 class RollCall:
     """Each node's launcher signs in on the rendezvous store (its node rank, or its address), so a
     job whose nodes did not all come can say which are missing. A daemon thread: it connects when
-    the host's store is up, signs in, and keeps a copy of the list for the error message."""
+    the host's store is up, signs in, and keeps a copy of the list for the error message. Every
+    store call waits at most ``STEP_S``: ``close()`` then ends the thread within about that, so it is
+    never inside a C++ store call when the interpreter exits (that aborts the process)."""
 
     KEY = "brickyard/nodes"
+    STEP_S = 1
 
     def __init__(self, job):  # a launch.Job
         import threading
@@ -170,14 +173,27 @@ class RollCall:
         self._done = threading.Event()
         host, _, port = job.master.rpartition(":")
         self.label = str(job.node_rank) if job.node_rank is not None else (route_to(host, int(port))[0] or host)
-        threading.Thread(target=self._run, args=(host, int(port)), daemon=True, name="brickyard-roll-call").start()
+        self._thread = threading.Thread(target=self._run, args=(host, int(port)), daemon=True, name="brickyard-roll-call")
+        self._thread.start()
 
-    def _run(self, host: str, port: int) -> None:
+    def _connect(self, host: str, port: int):
         import datetime
         import time
         from torch.distributed import TCPStore
+        deadline = time.monotonic() + self.job.timeout_s
+        while not self._done.is_set():
+            try:
+                return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.STEP_S))
+            except Exception:  # noqa: BLE001  not up yet: try again until the launch's own timeout
+                if time.monotonic() > deadline:
+                    raise
+                self._done.wait(0.2)  # (a refused connection returns at once)
+        raise ConnectionError("closed")
+
+    def _run(self, host: str, port: int) -> None:
+        import time
         try:
-            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.job.timeout_s))
+            store = self._connect(host, port)
             self.connected = True
             store.append(self.KEY, self.label + ",")
             while not self._done.is_set() and len(self.joined) < self.job.nnodes:  # then nothing more to learn
@@ -188,6 +204,7 @@ class RollCall:
 
     def close(self) -> None:
         self._done.set()
+        self._thread.join(timeout=3 * self.STEP_S)
 
     def failure(self) -> str:
         """The sentence for a rendezvous that did not complete."""
