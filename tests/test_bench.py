@@ -22,6 +22,7 @@ def test_bench_scaling_writes_json_and_png(tmp_path):
     assert doc["results"]["cpu:2"]["threads_per_process"] == 1 and doc["results"]["cpu"]["threads_per_process"] == 2
     assert doc["results"]["cpu"]["step_ms"]["grad_sync"] == 0  # one process: nothing to all-reduce
     assert doc["results"]["cpu:2"]["step_ms"]["grad_sync"] > 0
+    assert doc["results"]["cpu:2"]["grad_sync"] == "flat" and "the real step (flat)" in r.stdout  # what training uses on CPUs
     assert doc["results"]["cpu:2"]["step_ms"]["rank_wait"] >= 0 and "waiting for the slower rank" in r.stdout
     for res in doc["results"].values():
         ms = res["step_ms"]

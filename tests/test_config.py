@@ -102,6 +102,7 @@ def test_cross_field_checks_run_when_the_config_is_built():
         (["optim.betas=[0.9, 1.5]"], "must be two numbers in \\[0, 1\\)"),
         (["data.train_transforms=[resize:abc]"], "data.train_transforms: transform 'resize:abc' is not one of"),
         (["dist.mode=ps", "train.early_stopping=3"], "train.early_stopping: a synchronous parameter-server run"),
+        (["dist.grad_sync=flat", "dist.sync_bn=true"], "dist.grad_sync: flat does not run SyncBatchNorm"),
     ):
         with pytest.raises(ConfigError, match=msg):
             load_config("mnist", override)

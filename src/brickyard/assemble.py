@@ -16,7 +16,7 @@ from torch import nn
 from brickyard import behaviours as bh
 from brickyard import checkpoint as ckpt
 from brickyard import device as dev
-from brickyard import dist, ps, steps
+from brickyard import dist, gradsync, ps, steps
 from brickyard.callbacks import CallbackList
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
@@ -137,21 +137,41 @@ def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> C
 
 
 def wrap(run: Run) -> None:
-    """DDP for collective runs of several processes, then ``torch.compile`` when asked."""
-    model = run.model
+    """The gradient sync of collective runs of several processes (DDP or one flat all-reduce), then
+    ``torch.compile`` when asked."""
+    model, run.grad_sync = run.model, gradsync.GradSync()
     if run.world_size > 1 and not isinstance(run.update, steps.ParameterServerUpdate):  # the servers sync the rest
-        kwargs = {"device_ids": [run.device.index]} if run.device.type == "cuda" else {}
-        model = nn.parallel.DistributedDataParallel(model, **kwargs)
+        model, run.grad_sync = grad_sync(run.config.dist, run.model, run.device, run.train_step is steps.train_step, run.group)
     run.forward = torch.compile(model) if run.config.train.compile else model
     run.vote = dist.StopVote(run.extras["info"])
+
+
+def grad_sync(d, model: nn.Module, device: torch.device, own_step: bool = True, group=None):
+    """(the model to call, its ``gradsync.GradSync``) for ``dist.grad_sync`` (``d`` is the config's ``dist``).
+    ``auto`` takes flat for brickyard's own step on CPUs (measured faster there: no idle core to overlap
+    with) and DDP on GPUs, with SyncBatchNorm, for a user's own train_step (written for DDP) and for
+    parameters of several dtypes."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fits = bool(trainable) and len({(p.dtype, p.device) for p in trainable}) == 1
+    if d.grad_sync == "flat" and not fits:  # sync_bn is refused with the config
+        raise BrickyardError("dist.grad_sync: flat needs trainable parameters of one dtype on one device; use dist.grad_sync: ddp.")
+    how = d.grad_sync
+    if how == "auto":
+        how = "flat" if device.type == "cpu" and own_step and fits and not d.sync_bn else "ddp"
+    if how == "flat":
+        return model, gradsync.FlatGrads(model, group)
+    ddp = nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+    return ddp, gradsync.GradSync(ddp)
 
 
 def announce(run: Run, host: dev.Host, info) -> None:
     """The start-of-run lines: hardware and settings, model and data, batch and schedule, groups."""
     cfg, data, log = run.config, run.data, run.log
     n_params = sum(p.numel() for p in run.model.parameters())
+    pinned = f" on CPU {','.join(map(str, host.pinned))}" if host.pinned else ""
     log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run.extras['channels_last']}, "
-             f"{host.threads} threads, allocator {host.allocator}, world size {info.world_size}, pid {os.getpid()}")
+             f"{host.threads} threads{pinned}, allocator {host.allocator}, world size {info.world_size}"
+             + (f", gradient sync {run.grad_sync.name}" if info.world_size > 1 else "") + f", pid {os.getpid()}")
     log.info(f"model {run.extras['meta'].get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")

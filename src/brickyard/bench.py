@@ -4,11 +4,13 @@ One process (or one torchrun job) runs ``warmup`` untimed steps, then ``steps`` 
 passes over the same loop, synchronising the device at phase boundaries (bench only; training
 never does this):
 
-- pass A, gradients *not* synchronised (DDP ``no_sync``): data wait, forward+backward, optimiser,
+- pass A, gradients *not* synchronised in the backward pass: data wait, forward+backward, optimiser,
   and, with several processes, the wait for the slower rank (a barrier) and the gradient
-  all-reduce alone (one flat buffer), timed apart;
-- pass B, the real step (throughput is measured on it); its difference from the sum of pass A's
-  parts is DDP's own work (hooks, bucket copies) less the all-reduce it overlaps with the backward.
+  all-reduce alone, timed apart;
+- pass B, the real step (throughput is measured on it), with the gradient sync a training run uses
+  (``dist.grad_sync``: DDP, or one flat all-reduce after the backward pass, the default on CPUs);
+  with DDP its difference from the sum of pass A's parts is DDP's own work (hooks, bucket copies)
+  less the all-reduce it overlaps with the backward.
 
 Throughput is the median (min, max) over windows of pass B; warm-up is excluded. Several device
 specs run as separate jobs, and speed-up and scaling efficiency are computed against the first.
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from brickyard import device as dev
-from brickyard import dist
+from brickyard import dist, gradsync
 from brickyard.errors import BrickyardError
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
@@ -50,63 +52,45 @@ def _peak_memory(device) -> dict:
 
 def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
     """Benchmark this process's share of the job described by ``cfg``; rank 0's result is complete."""
-    from brickyard.api import build_model
-    from brickyard.data import build_data
-    from brickyard.data.augment import DevicePrep
-    from brickyard.data.loaders import device_batches, make_train_loader, step_batch
-    from brickyard.optim import build_optimizer, param_groups
-
+    from brickyard.data.loaders import device_batches, step_batch
     info = dist.from_env()
     t = cfg.train
     host = dev.setup(t, info.local_rank, info.local_world_size)
-    device, threads, precision, channels_last = host.device, host.threads, host.precision, host.channels_last
-    dist.init(info, cfg.dist.backend, device, cfg.dist.timeout_s)
+    dist.init(info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
     try:
-        data = build_data(cfg.data)
-        torch.manual_seed(t.seed)
-        model = build_model(cfg, data).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-        optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
-        ddp = model
-        if info.distributed:
-            ddp = torch.nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
-        fwd = torch.compile(ddp) if t.compile else ddp
-        loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
-        prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
-        batches = _endless(loader)
-
-        job = SimpleNamespace(batches=batches, prep=prep, device=device, precision=precision, fwd=fwd, ddp=ddp,
-                              model=model, optimizer=optimizer)
+        job, data = _job(cfg, info, host)
         one_step = functools.partial(_timed_step, job)
-
         for s in range(warmup):
             one_step(s, True)
-        # pass A (DDP's no_sync) times forward+backward without the all-reduce, then the wait for the
-        # slower rank and the all-reduce apart; pass B is the real step. One process runs pass B alone.
-        a = [one_step(warmup + s, False) for s in range(steps)] if ddp is not model else None
+        # pass A skips the gradient sync in the backward pass, then times the wait for the slower rank
+        # and the sync apart; pass B is the real step. One process runs pass B alone.
+        a = [one_step(warmup + s, False) for s in range(steps)] if info.distributed else None
         b = [one_step(warmup + s, True) for s in range(steps)]
-        loader.close()
-        med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
+        job.loader.close()
+        med = lambda rows, i: statistics.fmean(r[i] for r in rows)  # noqa: E731
         data_wait, opt_step = med(b, 0), med(b, 2)
         compute = med(a, 1) if a is not None else med(b, 1)
         wait, sync = (med(a, 4), med(a, 5)) if a is not None else (0.0, 0.0)
-        # the parts are timed apart (pass A, then the wait and the all-reduce alone), so they add up to
-        # `total`; `ddp_step` is DDP's real step (pass B), whose difference from `total` is DDP's own
-        # work (hooks, bucket copies) less what its all-reduce overlapped with the backward pass
+        # the parts are timed apart, so they add up to `total`; `real_step` is pass B's step, whose
+        # difference from `total` is DDP's own work (hooks, bucket copies) less what its all-reduce
+        # overlapped with the backward pass; with the flat all-reduce it is the same work, timed together
         step_time = data_wait + compute + wait + sync + opt_step
-        ddp_step = data_wait + med(b, 1) + opt_step
+        real_step = data_wait + med(b, 1) + opt_step
         windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
-        ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for w_ in [w] for r in w_) for w in windows]
+        ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for r in w) for w in windows]
         result = {
             "images_per_second": statistics.median(ips), "images_per_second_min": min(ips), "images_per_second_max": max(ips),
             "seconds_per_epoch": len(data.train) / statistics.median(ips),
             # grad_sync is the whole synchronisation, in two parts measured apart: the wait and the all-reduce
             "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * (wait + sync),
                         "rank_wait": 1e3 * wait, "allreduce": 1e3 * sync, "optimizer": 1e3 * opt_step, "total": 1e3 * step_time,
-                        "ddp_step": 1e3 * ddp_step},
+                        "real_step": 1e3 * real_step},
             "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
-            "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(device), "precision": precision,
-            "channels_last": channels_last, "threads_per_process": threads, "loader": type(loader).__name__,
-            "model": cfg.model.name, "data": cfg.data.name, "steps": steps, "warmup": warmup, **_peak_memory(device),
+            "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(host.device),
+            "precision": host.precision, "channels_last": host.channels_last, "threads_per_process": host.threads,
+            "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": job.sync.name,
+            "loader": type(job.loader).__name__, "model": cfg.model.name, "data": cfg.data.name, "steps": steps,
+            "warmup": warmup, **_peak_memory(host.device),
         }
         result["verdict"] = verdict(result)
         return result
@@ -114,33 +98,61 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         dist.shutdown()
 
 
+def _job(cfg, info, host):
+    """Model, optimiser, gradient sync and an endless batch stream, built as ``brickyard train`` builds them."""
+    from brickyard.api import build_model
+    from brickyard.assemble import grad_sync
+    from brickyard.data import build_data
+    from brickyard.data.augment import DevicePrep
+    from brickyard.data.loaders import make_train_loader
+    from brickyard.optim import build_optimizer, param_groups
+
+    t, device = cfg.train, host.device
+    data = build_data(cfg.data)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, data).to(device, memory_format=torch.channels_last if host.channels_last else torch.preserve_format)
+    optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
+    fwd, sync = grad_sync(cfg.dist, model, device) if info.distributed else (model, gradsync.GradSync())
+    loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
+    prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
+    job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device, precision=host.precision,
+                          fwd=torch.compile(fwd) if t.compile else fwd, sync=sync, model=model, optimizer=optimizer,
+                          distributed=info.distributed)
+    return job, data
+
+
 def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
-    """One step timed in three phases (data, forward+backward, optimiser); ``comm=False`` skips DDP's
-    all-reduce and, with several processes, then times apart the wait for the slower rank (a barrier)
-    and the gradient all-reduce alone (one flat buffer, as DDP's buckets together)."""
+    """One step timed in three phases (data, forward+backward with the gradient sync, optimiser);
+    ``comm=False`` skips the sync in the backward pass and, with several processes, then times apart
+    the wait for the slower rank (a barrier) and the gradient all-reduce alone (the flat sync itself;
+    for DDP one flat buffer, as its buckets together)."""
     t0 = time.perf_counter()
     x, y, n_global, offset = next(job.batches)
     x = job.prep(x, step, n_global, offset)
     _sync(job.device)
     t1 = time.perf_counter()
-    with (nullcontext() if comm or job.ddp is job.model else job.ddp.no_sync()):
+    with (nullcontext() if comm else job.sync.skip()):
         with dev.autocast(job.device, job.precision):
             loss = F.cross_entropy(job.fwd(x).float(), y)
         loss.backward()
+    if comm:
+        job.sync()
     _sync(job.device)
     t2 = time.perf_counter()
     wait = allreduce = 0.0
-    if not comm and job.ddp is not job.model:
+    if not comm and job.distributed:
         import torch.distributed as tdist
         tdist.barrier()
         t_wait = time.perf_counter()
-        flat = torch.cat([p.grad.reshape(-1) for p in job.model.parameters() if p.grad is not None])
-        tdist.all_reduce(flat)
+        if job.sync.name == "flat":
+            job.sync()
+        else:
+            tdist.all_reduce(torch.cat([p.grad.reshape(-1) for p in job.model.parameters() if p.grad is not None]))
         _sync(job.device)
         wait, allreduce = t_wait - t2, time.perf_counter() - t_wait
     t3 = time.perf_counter()
     job.optimizer.step()
-    job.optimizer.zero_grad(set_to_none=True)
+    job.sync.zero_grad(job.optimizer)
     _sync(job.device)
     t4 = time.perf_counter()
     return t1 - t0, t2 - t1, t4 - t3, len(y), wait, allreduce
@@ -176,11 +188,20 @@ def format_result(r: dict) -> str:
         f"step {ms['total']:.1f} ms = data wait {ms['data_wait']:.1f} + forward/backward {ms['forward_backward']:.1f} "
         f"+ gradient sync {ms['grad_sync']:.1f} (waiting for the slower rank {ms.get('rank_wait', 0.0):.1f}, the all-reduce "
         f"{ms.get('allreduce', 0.0):.1f}) "
-        f"+ optimiser {ms['optimizer']:.1f}, each timed apart"
-        + (f"; DDP's real step {ms['ddp_step']:.1f} ms ({ms['ddp_step'] - ms['total']:+.1f}: its hooks and bucket copies, "
-           f"less the all-reduce it overlaps with the backward pass)" if r["world_size"] > 1 else ""),
+        f"+ optimiser {ms['optimizer']:.1f}, each timed apart" + _real_step(r),
         f"verdict: {r['verdict']}",
     ])
+
+
+def _real_step(r: dict) -> str:
+    """The real step of several processes beside the sum of the parts timed apart, and why they differ."""
+    ms = r["step_ms"]
+    if r["world_size"] == 1:
+        return ""
+    why = ("its hooks and bucket copies, less the all-reduce it overlaps with the backward pass" if r["grad_sync"] == "ddp"
+           else "the same work timed together")
+    pinned = "; each process on its own CPUs" if r.get("pinned_cpus") else ""
+    return f"; the real step ({r['grad_sync']}) {ms['real_step']:.1f} ms ({ms['real_step'] - ms['total']:+.1f}: {why}){pinned}"
 
 
 def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:

@@ -39,6 +39,8 @@ def cross_check(cfg) -> None:
     if (b.dim_reduce.enabled or b.snapshots.enabled) and not b.dim_reduce.pca_path and b.snapshots.keep <= b.dim_reduce.n_components:
         raise ConfigError(f"boost.snapshots.keep: {b.snapshots.keep} must exceed boost.dim_reduce.n_components "
                           f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
+    if cfg.dist.grad_sync == "flat" and cfg.dist.sync_bn:
+        raise ConfigError("dist.grad_sync: flat does not run SyncBatchNorm (dist.sync_bn: true); use dist.grad_sync: ddp or auto.")
     if b.dim_reduce.enabled and cfg.dist.mode == "ps":
         raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
     stops = [k for k, on in (("train.early_stopping", cfg.train.early_stopping), ("train.max_time_s", cfg.train.max_time_s)) if on]

@@ -73,11 +73,33 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (``taskset``, cgroups, Slurm), all of them where that is unknown."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def set_threads(requested: int, local_world_size: int) -> int:
-    """Intra-op threads for this process: N processes on C cores get C // N each (at least 1)."""
-    n = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    """Intra-op threads for this process: N processes on C usable cores get C // N each (at least 1)."""
+    n = requested or max(1, len(usable_cpus()) // max(1, local_world_size))
     torch.set_num_threads(n)
     return n
+
+
+def pin_cpus(local_rank: int, local_world_size: int, threads: int) -> tuple[int, ...] | None:
+    """Keep local rank r on its own ``threads`` CPUs (the r-th slice of the usable ones), it and every
+    thread it starts later (OpenMP, gloo); None when there is one process or the slices do not fit.
+
+    Unpinned, the kernel moves a rank's one compute thread between the cores and both ranks of a
+    2-core machine now and then share one, and every step waits for the slower rank."""
+    cpus = usable_cpus()
+    if local_world_size < 2 or not hasattr(os, "sched_setaffinity") or threads * local_world_size > len(cpus):
+        return None
+    mine = tuple(cpus[local_rank * threads:(local_rank + 1) * threads])
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 # mallopt(3) parameters of glibc
@@ -110,6 +132,7 @@ class Host:
     allocator: str
     precision: str
     channels_last: bool
+    pinned: tuple[int, ...] | None = None  # the CPUs this process is kept on
 
 
 def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
@@ -118,9 +141,11 @@ def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
     device = resolve_device(t.device, local_rank)
     cpu = device.type == "cpu"
     threads = set_threads(t.threads, local_world_size) if cpu else torch.get_num_threads()
+    pin = t.pin_cpus is True or (t.pin_cpus == "auto" and not t.threads)
+    pinned = pin_cpus(local_rank, local_world_size, threads) if cpu and pin else None
     allocator = "glibc heap kept" if cpu and t.tune_allocator and tune_allocator() else "default"
     precision = resolve_precision(t.precision, device)
-    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device))
+    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device), pinned)
 
 
 def describe(device: torch.device) -> str:

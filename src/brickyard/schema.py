@@ -123,6 +123,8 @@ class TrainConfig:
     test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
     threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+    pin_cpus: Union[bool, str] = _opt("auto", choices=(True, False, "auto"),
+                                      doc="CPU runs of several local processes: each on its own cores (auto: when threads is 0)")
     tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
     tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
     plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
@@ -161,6 +163,8 @@ class DistConfig:
     scale_lr: str = _opt("none", choices=("none", "linear"))
     scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
     timeout_s: int = _opt(300, min=1)
+    grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
+                          doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
     sync_bn: bool = _opt(False)
     ps: PSConfig = field(default_factory=PSConfig)
 

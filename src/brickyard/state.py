@@ -38,6 +38,7 @@ class Run:
     eval_weights: Callable = contextlib.nullcontext  # EMA swaps its averaged weights in here
     # ---- the parts the loop is built from ----------------------------------------------------
     forward: nn.Module | None = None  # the model as trained (DDP-wrapped, compiled)
+    grad_sync: Any = None             # how the ranks' gradients meet (``gradsync.GradSync``): skip(), (), zero_grad()
     data: Any = None
     data_world: int = 1               # processes that read data (trainers in parameter-server mode)
     group: Any = None                 # their process group (None: all ranks)

@@ -71,7 +71,7 @@ def train_step(run, batches) -> torch.Tensor:
         run.data_wait += time.perf_counter() - wait
         x = run.prep(x, run.step * t.grad_accum + micro, n_global, offset)
         last = micro == t.grad_accum - 1
-        with contextlib.nullcontext() if last or run.forward is run.model else run.forward.no_sync():
+        with contextlib.nullcontext() if last else run.grad_sync.skip():
             with dev.autocast(run.device, run.precision):
                 out = run.forward(x)
                 loss_sum = run.loss_sum(out, y)
@@ -84,6 +84,7 @@ def train_step(run, batches) -> torch.Tensor:
                 loss = loss + run.config.optim.l1 / t.grad_accum * l1_penalty(run.optimizer.param_groups)
             run.scaler.scale(loss).backward()
         run.totals.add(loss_sum, out, y)
+    run.grad_sync()
     run.batch = (x, y, n_global)
     run.callbacks.on_before_update(run)
     run.lr = run.schedule(run.step)
@@ -92,7 +93,7 @@ def train_step(run, batches) -> torch.Tensor:
         run.scaler.unscale_(run.optimizer)
         nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], t.grad_clip)
     run.update(run, loss_sum)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.grad_sync.zero_grad(run.optimizer)
     return loss_sum.detach() / len(y)
 
 

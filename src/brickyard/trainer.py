@@ -211,6 +211,7 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
         save_config(cfg, run_dir / "config.yaml")
         write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
             "precision": run.precision, "channels_last": run.extras["channels_last"], "threads": host.threads,
+            "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": run.grad_sync.name,
             "allocator": host.allocator, "model": meta, "restart_count": info.restart_count}))
     assemble.announce(run, host, info)
     metrics.write(kind="start", step=run.step, world_size=info.world_size, total_steps=run.total_steps)
