@@ -97,7 +97,7 @@ def setup(cfg, base, sync: str):
         return model, opt, None
     fwd, gs = grad_sync(dataclasses.replace(cfg.dist, grad_sync=sync.split("-")[0]), model, torch.device("cpu"))
     if "sleep" in sync:  # flat, waiting for the all-reduce asleep as DDP does
-        gs.SPIN_S = 0.0
+        gs.spin_s = 0.0
     return fwd, opt, gs
 
 

@@ -106,3 +106,28 @@ def test_spin_wait_stays_awake_only_up_to_its_limit():
     t0 = time.perf_counter()
     gradsync.spin_wait(never, 0.05)
     assert never.waited and 0.05 <= time.perf_counter() - t0 < 1.0  # then asleep in wait(), which raises its errors
+
+
+def test_processes_that_share_cores_do_not_spin(tmp_path):
+    import dataclasses
+
+    import torch.distributed as tdist
+    from brickyard import device as dev
+    from brickyard.assemble import grad_sync
+    from brickyard.config import load_config
+    cfg = load_config("mnist", ["train.precision=fp32"])
+    threads = torch.get_num_threads()
+    try:  # more processes than CPUs: no slices to pin to, and nobody has cores of their own
+        host = dev.setup(cfg.train, local_rank=0, local_world_size=2 * len(os.sched_getaffinity(0)))
+    finally:
+        torch.set_num_threads(threads)
+    assert host.pinned is None and not host.own_cores
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        flat = dataclasses.replace(cfg.dist, grad_sync="auto")
+        assert grad_sync(flat, model, torch.device("cpu"), own_cores=False)[1].spin_s == 0  # asleep, as DDP waits
+        assert grad_sync(flat, model, torch.device("cpu"), own_cores=True)[1].spin_s == gradsync.FlatGrads.SPIN_S
+        assert grad_sync(flat, model, torch.device("cpu"), own_step=False)[1].name == "ddp"  # a user's step
+    finally:
+        tdist.destroy_process_group()

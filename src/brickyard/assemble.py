@@ -61,7 +61,8 @@ def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_st
               loss_sum=steps.make_loss_sum(loss_fn, cfg.optim.label_smoothing), train_step=user_step or steps.train_step,
               scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"), totals=steps.Totals(device, group),
               check_each_step=t.nan_guard and device.type == "cpu")
-    run.extras.update(channels_last=channels_last, model_name=meta.get("name"), meta=meta, peak=peak, groups=groups, info=info)
+    run.extras.update(channels_last=channels_last, model_name=meta.get("name"), meta=meta, peak=peak, groups=groups, info=info,
+                      host=host)
     if layout is not None and layout.is_server(info.rank):
         ps.serve([p.detach() for g in groups for p in g["params"]], layout, info.rank, cfg, total, schedule, log, ps_group)
         dist.barrier()
@@ -141,12 +142,13 @@ def wrap(run: Run) -> None:
     ``torch.compile`` when asked."""
     model, run.grad_sync = run.model, gradsync.GradSync()
     if run.world_size > 1 and not isinstance(run.update, steps.ParameterServerUpdate):  # the servers sync the rest
-        model, run.grad_sync = grad_sync(run.config.dist, run.model, run.device, run.train_step is steps.train_step, run.group)
+        model, run.grad_sync = grad_sync(run.config.dist, run.model, run.device, run.train_step is steps.train_step, run.group,
+                                         run.extras["host"].own_cores)
     run.forward = torch.compile(model) if run.config.train.compile else model
     run.vote = dist.StopVote(run.extras["info"])
 
 
-def grad_sync(d, model: nn.Module, device: torch.device, own_step: bool = True, group=None):
+def grad_sync(d, model: nn.Module, device: torch.device, own_step: bool = True, group=None, own_cores: bool = True):
     """(the model to call, its ``gradsync.GradSync``) for ``dist.grad_sync`` (``d`` is the config's ``dist``).
     ``auto`` takes flat for brickyard's own step on CPUs (measured faster there: no idle core to overlap
     with) and DDP on GPUs, with SyncBatchNorm, for a user's own train_step (written for DDP) and for
@@ -159,7 +161,7 @@ def grad_sync(d, model: nn.Module, device: torch.device, own_step: bool = True, 
     if how == "auto":
         how = "flat" if device.type == "cpu" and own_step and fits and not d.sync_bn else "ddp"
     if how == "flat":
-        return model, gradsync.FlatGrads(model, group)
+        return model, gradsync.FlatGrads(model, group, spin=own_cores)
     ddp = nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
     return ddp, gradsync.GradSync(ddp)
 

@@ -112,7 +112,7 @@ def _job(cfg, info, host):
     torch.manual_seed(t.seed)
     model = build_model(cfg, data).to(device, memory_format=torch.channels_last if host.channels_last else torch.preserve_format)
     optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
-    fwd, sync = grad_sync(cfg.dist, model, device) if info.distributed else (model, gradsync.GradSync())
+    fwd, sync = grad_sync(cfg.dist, model, device, own_cores=host.own_cores) if info.distributed else (model, gradsync.GradSync())
     loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
     prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
     job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device, precision=host.precision,

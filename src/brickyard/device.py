@@ -133,6 +133,7 @@ class Host:
     precision: str
     channels_last: bool
     pinned: tuple[int, ...] | None = None  # the CPUs this process is kept on
+    own_cores: bool = True  # no other process of this machine's job shares this one's CPUs
 
 
 def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
@@ -145,7 +146,8 @@ def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
     pinned = pin_cpus(local_rank, local_world_size, threads) if cpu and pin else None
     allocator = "glibc heap kept" if cpu and t.tune_allocator and tune_allocator() else "default"
     precision = resolve_precision(t.precision, device)
-    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device), pinned)
+    own = not cpu or pinned is not None or threads * local_world_size <= len(usable_cpus())
+    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device), pinned, own)
 
 
 def describe(device: torch.device) -> str:

@@ -52,8 +52,9 @@ class FlatGrads(GradSync):
     name = "flat"
     SPIN_S = 0.02  # longest wait spent awake; longer ones (rank 0 writing a checkpoint) sleep
 
-    def __init__(self, model, group=None):
+    def __init__(self, model, group=None, spin: bool = True):
         super().__init__()
+        self.spin_s = self.SPIN_S if spin else 0.0  # awake only on cores of its own: a spinning process slows those it shares with
         self.group, self.world = group, tdist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -79,7 +80,7 @@ class FlatGrads(GradSync):
         self._attach()
         self.flat.mul_(1.0 / self.world)  # as DDP: times 1/world before the sum
         if self.flat.device.type == "cpu":
-            spin_wait(tdist.all_reduce(self.flat, group=self.group, async_op=True), self.SPIN_S)
+            spin_wait(tdist.all_reduce(self.flat, group=self.group, async_op=True), self.spin_s)
         else:  # on a GPU the all-reduce is queued on the stream: waiting here would be a host sync
             tdist.all_reduce(self.flat, group=self.group)
         if self.buffers:

@@ -1,7 +1,8 @@
 """One training step, and the three ways a step updates the weights.
 
-``train_step(run, batches)`` runs ``train.grad_accum`` micro-batches forward and backward and then
-``run.update``: ``OptimizerUpdate`` (the optimiser, with the fp16 loss scaler), ``ParameterServerUpdate``
+``train_step(run, batches)`` runs ``train.grad_accum`` micro-batches forward and backward, syncs the
+gradients across ranks (``run.grad_sync``: DDP did it inside the last backward; the flat all-reduce
+runs here), and then ``run.update``: ``OptimizerUpdate`` (the optimiser, with the fp16 loss scaler), ``ParameterServerUpdate``
 (push gradients, pull parameters) or ``DimReduceUpdate`` (P-BFGS in a subspace). Pass your own
 ``train_step`` to ``brickyard.fit`` to change the step; it gets the ``Run`` and the batch iterator and
 returns the step's mean loss as a tensor.
