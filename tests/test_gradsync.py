@@ -70,12 +70,12 @@ def test_flat_and_ddp_train_the_same_weights(tmp_path):
         assert all(torch.equal(flat[k], other[k]) for k in flat)
 
 
-def test_cpu_processes_are_pinned_and_the_first_line_says_how_they_sync(tmp_path):
+def test_pinned_cpu_processes_and_the_first_line_says_how_they_sync(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs to pin 2 processes apart")
     run = tmp_path / "r"
     r = run_cli("train", "mnist", *sets(*[s for s in SYNTH if not s.startswith("train.threads")], "train.max_steps=3",
-                                        "train.plots=false", "train.tensorboard=false"),
+                                        "train.plots=false", "train.tensorboard=false", "train.pin_cpus=true"),
                 "--devices", "cpu:2", "--run-dir", str(run))
     assert r.returncode == 0, r.stderr
     cpus = sorted(os.sched_getaffinity(0))

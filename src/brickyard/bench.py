@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
 
 from brickyard import device as dev
@@ -67,24 +68,25 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         a = [one_step(warmup + s, False) for s in range(steps)] if info.distributed else None
         b = [one_step(warmup + s, True) for s in range(steps)]
         job.loader.close()
+        # means, as throughput is: the tail of the waits is part of the cost
         med = lambda rows, i: statistics.fmean(r[i] for r in rows)  # noqa: E731
         data_wait, opt_step = med(b, 0), med(b, 2)
         compute = med(a, 1) if a is not None else med(b, 1)
         wait, sync = (med(a, 4), med(a, 5)) if a is not None else (0.0, 0.0)
         # the parts are timed apart, so they add up to `total`; `real_step` is pass B's step, whose
         # difference from `total` is DDP's own work (hooks, bucket copies) less what its all-reduce
-        # overlapped with the backward pass; with the flat all-reduce it is the same work, timed together
+        # overlapped with the backward pass; with the flat all-reduce its sync (`real_sync`) is timed apart
         step_time = data_wait + compute + wait + sync + opt_step
-        real_step = data_wait + med(b, 1) + opt_step
+        real_step = data_wait + med(b, 1) + med(b, 6) + opt_step
         windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
-        ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] for r in w) for w in windows]
+        ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] + r[6] for r in w) for w in windows]
         result = {
             "images_per_second": statistics.median(ips), "images_per_second_min": min(ips), "images_per_second_max": max(ips),
             "seconds_per_epoch": len(data.train) / statistics.median(ips),
             # grad_sync is the whole synchronisation, in two parts measured apart: the wait and the all-reduce
             "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * (wait + sync),
                         "rank_wait": 1e3 * wait, "allreduce": 1e3 * sync, "optimizer": 1e3 * opt_step, "total": 1e3 * step_time,
-                        "real_step": 1e3 * real_step},
+                        "real_step": 1e3 * real_step, "real_sync": 1e3 * med(b, 6)},
             "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
             "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(host.device),
             "precision": host.precision, "channels_last": host.channels_last, "threads_per_process": host.threads,
@@ -122,10 +124,10 @@ def _job(cfg, info, host):
 
 
 def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
-    """One step timed in three phases (data, forward+backward with the gradient sync, optimiser);
-    ``comm=False`` skips the sync in the backward pass and, with several processes, then times apart
-    the wait for the slower rank (a barrier) and the gradient all-reduce alone (the flat sync itself;
-    for DDP one flat buffer, as its buckets together)."""
+    """One step timed in phases: data, forward+backward, the gradient sync after it (the flat
+    all-reduce; DDP's is inside the backward pass), optimiser. ``comm=False`` skips the sync and, with
+    several processes, times apart the wait for the slower rank (a barrier that waits as the sync
+    does) and the all-reduce alone (the flat sync itself; for DDP one flat buffer, as its buckets)."""
     t0 = time.perf_counter()
     x, y, n_global, offset = next(job.batches)
     x = job.prep(x, step, n_global, offset)
@@ -135,27 +137,37 @@ def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
         with dev.autocast(job.device, job.precision):
             loss = F.cross_entropy(job.fwd(x).float(), y)
         loss.backward()
-    if comm:
-        job.sync()
     _sync(job.device)
     t2 = time.perf_counter()
+    if comm:
+        job.sync()
+        _sync(job.device)
+    t3 = time.perf_counter()
     wait = allreduce = 0.0
     if not comm and job.distributed:
-        import torch.distributed as tdist
-        tdist.barrier()
+        _barrier(job)
         t_wait = time.perf_counter()
         if job.sync.name == "flat":
             job.sync()
         else:
             tdist.all_reduce(torch.cat([p.grad.reshape(-1) for p in job.model.parameters() if p.grad is not None]))
         _sync(job.device)
-        wait, allreduce = t_wait - t2, time.perf_counter() - t_wait
-    t3 = time.perf_counter()
+        wait, allreduce = t_wait - t3, time.perf_counter() - t_wait
+    t4 = time.perf_counter()
     job.optimizer.step()
     job.sync.zero_grad(job.optimizer)
     _sync(job.device)
-    t4 = time.perf_counter()
-    return t1 - t0, t2 - t1, t4 - t3, len(y), wait, allreduce
+    return t1 - t0, t2 - t1, time.perf_counter() - t4, len(y), wait, allreduce, t3 - t2
+
+
+def _barrier(job) -> None:
+    """All ranks here; a CPU process of the flat sync waits awake, as its sync does (a sleeping wait
+    would make the all-reduce after it pay for waking the core)."""
+    spin = getattr(job.sync, "spin_s", 0.0)
+    if spin and job.device.type == "cpu":
+        gradsync.spin_wait(tdist.all_reduce(torch.zeros(1), async_op=True), spin)
+    else:
+        tdist.barrier()
 
 
 def _endless(loader):
@@ -188,7 +200,7 @@ def format_result(r: dict) -> str:
         f"step {ms['total']:.1f} ms = data wait {ms['data_wait']:.1f} + forward/backward {ms['forward_backward']:.1f} "
         f"+ gradient sync {ms['grad_sync']:.1f} (waiting for the slower rank {ms.get('rank_wait', 0.0):.1f}, the all-reduce "
         f"{ms.get('allreduce', 0.0):.1f}) "
-        f"+ optimiser {ms['optimizer']:.1f}, each timed apart" + _real_step(r),
+        f"+ optimiser {ms['optimizer']:.1f}, each timed apart (means)" + _real_step(r),
         f"verdict: {r['verdict']}",
     ])
 
@@ -199,7 +211,7 @@ def _real_step(r: dict) -> str:
     if r["world_size"] == 1:
         return ""
     why = ("its hooks and bucket copies, less the all-reduce it overlaps with the backward pass" if r["grad_sync"] == "ddp"
-           else "the same work timed together")
+           else f"its sync, the wait and the all-reduce together, {ms['real_sync']:.1f} ms")
     pinned = "; each process on its own CPUs" if r.get("pinned_cpus") else ""
     return f"; the real step ({r['grad_sync']}) {ms['real_step']:.1f} ms ({ms['real_step'] - ms['total']:+.1f}: {why}){pinned}"
 

@@ -92,8 +92,8 @@ def pin_cpus(local_rank: int, local_world_size: int, threads: int) -> tuple[int,
     """Keep local rank r on its own ``threads`` CPUs (the r-th slice of the usable ones), it and every
     thread it starts later (OpenMP, gloo); None when there is one process or the slices do not fit.
 
-    Unpinned, the kernel moves a rank's one compute thread between the cores and both ranks of a
-    2-core machine now and then share one, and every step waits for the slower rank."""
+    Measured on 2 cores (``benchmarks/cpu_scaling.py``): +1-3% with DDP, -1-3% with the flat sync,
+    whose spinning wait then shares one core with gloo's thread; so it is not a default."""
     cpus = usable_cpus()
     if local_world_size < 2 or not hasattr(os, "sched_setaffinity") or threads * local_world_size > len(cpus):
         return None
@@ -142,8 +142,7 @@ def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
     device = resolve_device(t.device, local_rank)
     cpu = device.type == "cpu"
     threads = set_threads(t.threads, local_world_size) if cpu else torch.get_num_threads()
-    pin = t.pin_cpus is True or (t.pin_cpus == "auto" and not t.threads)
-    pinned = pin_cpus(local_rank, local_world_size, threads) if cpu and pin else None
+    pinned = pin_cpus(local_rank, local_world_size, threads) if cpu and t.pin_cpus else None
     allocator = "glibc heap kept" if cpu and t.tune_allocator and tune_allocator() else "default"
     precision = resolve_precision(t.precision, device)
     own = not cpu or pinned is not None or threads * local_world_size <= len(usable_cpus())

@@ -123,8 +123,7 @@ class TrainConfig:
     test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
     threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
-    pin_cpus: Union[bool, str] = _opt("auto", choices=(True, False, "auto"),
-                                      doc="CPU runs of several local processes: each on its own cores (auto: when threads is 0)")
+    pin_cpus: bool = _opt(False, doc="CPU runs of several local processes: keep each on its own cores (measured: no gain with grad_sync flat)")
     tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
     tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
     plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
