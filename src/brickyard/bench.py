@@ -12,7 +12,8 @@ never does this):
   with DDP its difference from the sum of pass A's parts is DDP's own work (hooks, bucket copies)
   less the all-reduce it overlaps with the backward.
 
-Throughput is the median (min, max) over windows of pass B; warm-up is excluded. Several device
+Throughput is the median (min, max) over windows of pass B; the parts are means over the timed steps
+(the tail of the waits is part of the cost); warm-up is excluded. Several device
 specs run as separate jobs, and speed-up and scaling efficiency are computed against the first.
 """
 from __future__ import annotations

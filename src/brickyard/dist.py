@@ -298,4 +298,3 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
-
