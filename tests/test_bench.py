@@ -49,3 +49,27 @@ def test_superlinear_scaling_is_called_a_measurement_problem():
     table, rows = scaling_table([("cpu", one), ("cpu:2", two)])
     assert rows[1]["efficiency"] == 5.4 and "warning: cpu:2 scaled above 115% of linear" in table
     assert "warning" not in scaling_table([("cpu", one), ("cpu:2", dict(two, images_per_second=1800.0))])[0]
+
+
+def test_rounds_pair_the_runs_and_take_the_median_ratio():
+    from brickyard.bench import paired, scaling_table
+    one, two = {"world_size": 1, "verdict": "v"}, {"world_size": 2, "verdict": "v"}
+    ips = [(1000.0, 900.0), (2000.0, 1900.0), (1500.0, 1200.0)]  # the host drifts 2x; the pairs do not
+    rounds = [{"cpu": dict(one, images_per_second=a), "cpu:2": dict(two, images_per_second=b)} for a, b in ips]
+    (_, base), (_, r) = paired(rounds, ["cpu", "cpu:2"])
+    assert base["images_per_second"] == 1500.0 and r["images_per_second"] == 1200.0 and r["rounds"] == 3
+    assert r["speedup"] == 0.9  # the median of 0.9, 0.95 and 0.8; medians apart would say 1200 / 1500 = 0.8
+    rows = scaling_table([("cpu", base), ("cpu:2", r)])[1]
+    assert rows[1]["speedup"] == 0.9 and rows[1]["efficiency"] == 0.45
+
+
+def test_bench_rounds_runs_the_specs_in_turn(tmp_path):
+    r = run_cli("bench", "mnist", *sets(*BENCH), "--steps", "3", "--warmup", "1", "--devices", "cpu", "cpu:2",
+                "--rounds", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    order = [l.split()[2] for l in r.stdout.splitlines() if l.startswith("--- devices")]
+    assert order == ["cpu", "cpu:2", "cpu:2", "cpu"]  # each spec first as often as last
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["results"]["cpu:2"]["rounds"] == 2 and doc["scaling"][0]["speedup"] == 1.0
+    bad = run_cli("bench", "mnist", "--rounds", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --steps and --rounds must be at least 1")

@@ -217,14 +217,26 @@ def _real_step(r: dict) -> str:
     return f"; the real step ({r['grad_sync']}) {ms['real_step']:.1f} ms ({ms['real_step'] - ms['total']:+.1f}: {why}){pinned}"
 
 
+def paired(rounds: list[dict], specs: list[str]) -> list[tuple[str, dict]]:
+    """Each spec's result from several rounds of all specs run in turn: the round of the median
+    throughput, with ``speedup``, the median over rounds of its ratio to the first spec's (a pair is
+    two runs minutes apart at most, so the host's drift moves it less than the runs themselves)."""
+    out = []
+    for spec in specs:
+        runs = sorted((r[spec] for r in rounds), key=lambda r: r["images_per_second"])
+        mid = dict(runs[(len(runs) - 1) // 2], rounds=len(rounds))
+        mid["speedup"] = statistics.median(r[spec]["images_per_second"] / r[specs[0]]["images_per_second"] for r in rounds)
+        out.append((spec, mid))
+    return out
+
+
 def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
     base = results[0][1]
-    base_per_proc = base["images_per_second"] / base["world_size"]
     w = max(12, *(len(spec) for spec, _ in results))
     rows, lines = [], [f"{'devices':<{w}} {'world':>5} {'images/s':>10} {'speed-up':>9} {'efficiency':>10}  verdict"]
     for spec, r in results:
-        speedup = r["images_per_second"] / base["images_per_second"]
-        eff = r["images_per_second"] / (base_per_proc * r["world_size"])
+        speedup = r.get("speedup", r["images_per_second"] / base["images_per_second"])
+        eff = speedup * base["world_size"] / r["world_size"]
         rows.append({"devices": spec, "world_size": r["world_size"], "images_per_second": r["images_per_second"],
                      "speedup": speedup, "efficiency": eff, "verdict": r["verdict"]})
         lines.append(f"{spec:<{w}} {r['world_size']:>5} {r['images_per_second']:>10,.0f} {speedup:>8.2f}x {100 * eff:>9.0f}%  {r['verdict']}")

@@ -128,6 +128,7 @@ def _add_performance(sub, raw) -> None:
     """bench, memory, boost."""
     b = sub.add_parser("bench", help="throughput, step-time breakdown and scaling over device specs",
                        epilog="examples:\n  brickyard bench mnist --steps 50\n  brickyard bench mnist --devices cpu:1 cpu:2 --out runs/bench\n"
+                              "  brickyard bench mnist --devices cpu cpu:2 --rounds 8   (in turn; median of paired ratios)\n"
                               "  brickyard bench mnist --devices 0 0,1 0,1,2,3\n  brickyard bench mnist --loader\n"
                               "  brickyard bench mnist --devices cpu:1 --nnodes 2 --node-rank 0 --master 10.0.0.1:29500   (and rank 1 on node 1)\n", formatter_class=raw)
     b.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
@@ -135,6 +136,8 @@ def _add_performance(sub, raw) -> None:
     b.add_argument("--steps", type=int, default=50, help="timed steps per pass (default 50)")
     b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     b.add_argument("--devices", nargs="+", metavar="SPEC", help="one or more specs: cpu, cpu:N, cuda, 0,1 ...")
+    b.add_argument("--rounds", type=int, default=1, help="run the specs in turn this many times; speed-ups are the median of "
+                   "the rounds' ratios, which the host's drift between runs moves less (default 1)")
     b.add_argument("--out", help="folder for bench.json and scaling.png (several specs)")
     b.add_argument("--loader", action="store_true", help="compare the in-memory and streaming loaders")
     b.add_argument("--nnodes", default="1", metavar="N", help="also time each spec across N machines (run the same command on each)")

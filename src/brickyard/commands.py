@@ -65,8 +65,8 @@ def launch_job(args, cfg):
 def cmd_bench(args) -> int:
     from pathlib import Path
     from brickyard.config import load_config
-    if args.steps < 1 or args.warmup < 0:
-        raise BrickyardError("--steps must be at least 1 and --warmup at least 0.")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise BrickyardError("--steps and --rounds must be at least 1 and --warmup at least 0.")
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
     cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
     from brickyard import bench
@@ -92,11 +92,16 @@ def cmd_bench(args) -> int:
         return 0
     specs = args.devices or ["cpu"]
     job = launch_job(args, cfg)
-    results = []
-    for spec in specs if job.hosts_rendezvous() else []:  # one machine: node 0 alone, the others wait for it
-        r = bench.run_job(args, cfg, spec)
-        results.append((spec, r))
-        print(f"--- devices {spec}\n{bench.format_result(r)}", flush=True)
+    if args.rounds > 1 and job.nnodes > 1:
+        raise BrickyardError("--rounds works on one machine; across machines run each spec once (--rounds 1).")
+    rounds = []
+    for k in range(args.rounds if job.hosts_rendezvous() else 0):  # one machine: node 0 alone, the others wait
+        rounds.append({})
+        for spec in specs if k % 2 == 0 else specs[::-1]:  # in turn, each spec first as often as last
+            rounds[-1][spec] = r = bench.run_job(args, cfg, spec)
+            print(f"--- devices {spec}" + (f" (round {k + 1} of {args.rounds})" if args.rounds > 1 else "")
+                  + f"\n{bench.format_result(r)}", flush=True)
+    results = bench.paired(rounds, specs) if rounds else []
     for i, spec in enumerate(specs if job.nnodes > 1 else []):  # spec i meets at --master's port + i
         host, _, port = job.master.rpartition(":")
         r = bench.run_job(args, cfg, spec, job.replace(master=f"{host}:{int(port) + i}"))
