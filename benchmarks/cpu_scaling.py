@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from brickyard import device as dev
 from brickyard.assemble import grad_sync
 from brickyard.config import load_config
+from brickyard.gradsync import GradSync
 from brickyard.models import create
 from brickyard.optim import build_optimizer, param_groups
 
@@ -90,11 +91,11 @@ def measure(cfg, precision: str, syncs: list[str], rounds: int, steps: int) -> d
 
 
 def setup(cfg, base, sync: str):
-    """(the model to call, its optimiser, its gradient sync or None for one process), from one start."""
+    """(the model to call, its optimiser, its gradient sync), all from the same start."""
     model = copy.deepcopy(base)
     opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     if sync == "one":
-        return model, opt, None
+        return model, opt, GradSync()  # nothing to sync
     fwd, gs = grad_sync(dataclasses.replace(cfg.dist, grad_sync=sync.split("-")[0]), model, torch.device("cpu"))
     if "sleep" in sync:  # flat, waiting for the all-reduce asleep as DDP does
         gs.spin_s = 0.0
@@ -107,13 +108,9 @@ def block(fwd, opt, gs, x, y, precision: str, steps: int) -> float:
         with dev.autocast(torch.device("cpu"), precision):
             loss = F.cross_entropy(fwd(x).float(), y)
         loss.backward()
-        if gs is not None:
-            gs()
+        gs()
         opt.step()
-        if gs is not None:
-            gs.zero_grad(opt)
-        else:
-            opt.zero_grad(set_to_none=True)
+        gs.zero_grad(opt)
     return time.perf_counter() - t0
 
 

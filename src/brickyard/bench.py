@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from brickyard import device as dev
 from brickyard import dist, gradsync
 from brickyard.errors import BrickyardError
+from brickyard.flat import flatten
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
 COMM_BOUND = 0.20
@@ -151,7 +152,7 @@ def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
         if job.sync.name == "flat":
             job.sync()
         else:
-            tdist.all_reduce(torch.cat([p.grad.reshape(-1) for p in job.model.parameters() if p.grad is not None]))
+            tdist.all_reduce(flatten(p.grad for p in job.model.parameters() if p.grad is not None))
         _sync(job.device)
         wait, allreduce = t_wait - t3, time.perf_counter() - t_wait
     t4 = time.perf_counter()

@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as tdist
 
+from brickyard.flat import flatten, load_flat
+
 
 class GradSync:
     """How the ranks' gradients meet, on one interface for the step: ``skip()`` around a micro-batch whose
@@ -62,8 +64,9 @@ class FlatGrads(GradSync):
         self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype, device=self.params[0].device)
         self.views, offset = [], 0
         for p in self.params:  # a parameter's own strides where it is dense (channels_last), else contiguous ones
+            part = self.flat[offset:offset + p.numel()]
             dense = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
-            self.views.append(self.flat.as_strided(p.shape, p.stride() if dense else _contiguous_strides(p.shape), offset))
+            self.views.append(part.as_strided(p.shape, p.stride()) if dense else part.view(p.shape))
             offset += p.numel()
         self._attach()
 
@@ -112,20 +115,11 @@ def _yield() -> None:
         time.sleep(0)
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 def _broadcast_flat(tensors, group=None) -> None:
     """Rank 0's values of ``tensors`` to every rank, one broadcast per dtype."""
     src = tdist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            tdist.broadcast(flat, src, group=group)
-            torch._foreach_copy_(same, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in same]), same)])
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        buffer = flatten(same)
+        tdist.broadcast(buffer, src, group=group)
+        load_flat(same, buffer)
