@@ -195,6 +195,22 @@ def test_too_few_snapshots_and_bad_pca_are_clear(tmp_path):
     assert r.returncode == 2 and "computed for other parameters" in r.stderr
 
 
+def test_damaged_snapshot_and_subspace_files_are_one_sentence(tmp_path):
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "snap-0000010.pt").write_bytes(b"not a torch file")
+    with pytest.raises(checkpoint.CheckpointError, match="snapshot .*snap-0000010.pt cannot be read"):
+        boost.pca_from_snapshots(tmp_path / "snap", 2, ["w"])
+    torch.save([1, 2], tmp_path / "snap" / "snap-0000010.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="is not a brickyard snapshot"):
+        boost.pca_from_snapshots(tmp_path / "snap", 2, ["w"])
+    (tmp_path / "pca.pt").write_bytes((tmp_path / "snap" / "snap-0000010.pt").read_bytes()[:40])  # cut short
+    with pytest.raises(checkpoint.CheckpointError, match="boost.dim_reduce.pca_path: .*pca.pt cannot be read"):
+        boost.load_pca(tmp_path / "pca.pt", ["w"], 5)
+    torch.save({"names": ["w"]}, tmp_path / "pca.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="not a subspace written by brickyard boost"):
+        boost.load_pca(tmp_path / "pca.pt", ["w"], 5)
+
+
 def test_stage2_reports_its_steps_per_epoch(tmp_path):
     base, s1 = _stage1(tmp_path)
     init = str(checkpoint.step_checkpoints(s1 / "checkpoints")[-1])  # the paper's setting: from stage 1's end

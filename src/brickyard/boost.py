@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from brickyard import dist
+from brickyard.checkpoint import read, save_atomic
 from brickyard.errors import CheckpointError, ConfigError
 from brickyard.flat import flat_grads, flatten as flat_params, load_flat as set_flat
 
@@ -51,7 +52,6 @@ class Snapshots:
         self.folder, self.keep, self.names = Path(folder), keep, names
 
     def save(self, step: int, params) -> None:
-        from brickyard.checkpoint import save_atomic
         save_atomic({"step": step, "names": self.names, "w": flat_params(params).float().cpu()}, self.folder / f"snap-{step:07d}.pt")
         for old in self.files()[:-self.keep]:
             old.unlink(missing_ok=True)
@@ -91,15 +91,16 @@ def pca_from_snapshots(folder: Path, n_components: int, names: list[str]) -> dic
         raise ConfigError(f"boost: no snapshots in {folder}; train stage 1 with boost.snapshots first.")
     rows = []
     for f in files:
-        s = torch.load(f, map_location="cpu", weights_only=True)
-        if s["names"] != names:
+        s = read(f, "snapshot")
+        if not isinstance(s, dict) or "w" not in s:
+            raise CheckpointError(f"snapshot {f} is not a brickyard snapshot (no 'w' entry).")
+        if s.get("names") != names:
             raise CheckpointError(f"snapshot {f} was taken of other parameters than this model's.")
         rows.append(s["w"])
     return {"P": fit_pca(torch.stack(rows), n_components), "names": names, "snapshots": len(files)}
 
 
 def save_pca(pca: dict, path: Path) -> None:
-    from brickyard.checkpoint import save_atomic
     save_atomic({"P": pca["P"], "names": pca["names"], "snapshots": pca.get("snapshots", 0)}, Path(path))
 
 
@@ -107,7 +108,9 @@ def load_pca(path: Path, names: list[str], size: int) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"boost.dim_reduce.pca_path: {path} does not exist.")
-    d = torch.load(path, map_location="cpu", weights_only=True)
+    d = read(path, "boost.dim_reduce.pca_path:")
+    if not isinstance(d, dict) or "P" not in d:
+        raise CheckpointError(f"boost.dim_reduce.pca_path: {path} is not a subspace written by brickyard boost (no 'P' entry).")
     if d.get("names") != names:
         raise CheckpointError(f"{path}: the subspace was computed for other parameters (order or names differ from this model's).")
     if d["P"].shape[1] != size:
