@@ -71,15 +71,16 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         b = [one_step(warmup + s, True) for s in range(steps)]
         job.loader.close()
         # means, as throughput is: the tail of the waits is part of the cost
-        med = lambda rows, i: statistics.fmean(r[i] for r in rows)  # noqa: E731
-        data_wait, opt_step = med(b, 0), med(b, 2)
-        compute = med(a, 1) if a is not None else med(b, 1)
-        wait, sync = (med(a, 4), med(a, 5)) if a is not None else (0.0, 0.0)
+        mean = lambda rows, i: statistics.fmean(r[i] for r in rows)  # noqa: E731
+        data_wait, opt_step = mean(b, 0), mean(b, 2)
+        compute = mean(a, 1) if a is not None else mean(b, 1)
+        wait, sync = (mean(a, 4), mean(a, 5)) if a is not None else (0.0, 0.0)
         # the parts are timed apart, so they add up to `total`; `real_step` is pass B's step, whose
         # difference from `total` is DDP's own work (hooks, bucket copies) less what its all-reduce
         # overlapped with the backward pass; with the flat all-reduce its sync (`real_sync`) is timed apart
         step_time = data_wait + compute + wait + sync + opt_step
-        real_step = data_wait + med(b, 1) + med(b, 6) + opt_step
+        real_sync = mean(b, 6)
+        real_step = data_wait + mean(b, 1) + real_sync + opt_step
         windows = [b[i:i + window] for i in range(0, len(b) - window + 1, window)] or [b]
         ips = [sum(r[3] for r in w) * info.world_size / sum(r[0] + r[1] + r[2] + r[6] for r in w) for w in windows]
         result = {
@@ -88,7 +89,7 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
             # grad_sync is the whole synchronisation, in two parts measured apart: the wait and the all-reduce
             "step_ms": {"data_wait": 1e3 * data_wait, "forward_backward": 1e3 * compute, "grad_sync": 1e3 * (wait + sync),
                         "rank_wait": 1e3 * wait, "allreduce": 1e3 * sync, "optimizer": 1e3 * opt_step, "total": 1e3 * step_time,
-                        "real_step": 1e3 * real_step, "real_sync": 1e3 * med(b, 6)},
+                        "real_step": 1e3 * real_step, "real_sync": 1e3 * real_sync},
             "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
             "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(host.device),
             "precision": host.precision, "channels_last": host.channels_last, "threads_per_process": host.threads,
