@@ -27,10 +27,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from brickyard import device as dev
-from brickyard.assemble import grad_sync
+from brickyard.training import device as dev
+from brickyard.training.setup import grad_sync
 from brickyard.config import load_config
-from brickyard.gradsync import GradSync
+from brickyard.distributed.gradsync import GradSync
 from brickyard.models import create
 from brickyard.optim import build_optimizer, param_groups
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from brickyard.api import train_config
-from brickyard.checkpoint import step_checkpoints
+from brickyard.training.checkpoint import step_checkpoints
 from brickyard.config import load_config
 from brickyard.errors import BrickyardError
 

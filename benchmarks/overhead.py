@@ -20,11 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from brickyard import device as dev
+from brickyard.training import device as dev
 from brickyard import models
 from brickyard.config import load_config
 from brickyard.data import build_data
-from brickyard.trainer import train
+from brickyard.training.loop import train
 
 
 def hand_loop(model_name, images, labels, batch, steps, device, precision, channels_last, lr=0.05):

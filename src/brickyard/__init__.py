@@ -9,13 +9,13 @@ def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
         from brickyard.api import fit
         return fit
     if name == "predict":
-        from brickyard.prediction import predict
+        from brickyard.tools.predict import predict
         return predict
     if name == "Callback":
         from brickyard.callbacks import Callback
         return Callback
     if name == "Run":
-        from brickyard.state import Run
+        from brickyard.training.run import Run
         return Run
     if name in ("load_config", "Config"):
         from brickyard import config

@@ -8,7 +8,7 @@ from torch import nn
 from brickyard.config import Config, build, load_config
 from brickyard.data import DataBundle, build_data, from_user
 from brickyard.errors import ConfigError
-from brickyard.runlog import default_run_dir
+from brickyard.observe.runlog import default_run_dir
 
 
 def resolve_config(config=None, overrides=()) -> Config:
@@ -33,7 +33,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of pairs.
     ``callbacks``: ``brickyard.Callback`` instances. ``loss_fn(outputs, targets)`` returns the mean loss
     (default: cross-entropy with ``optim.label_smoothing``). ``train_step(run, batches)``: replaces
-    ``brickyard.steps.train_step``. Accuracy and the confusion matrix are reported when the outputs are
+    ``brickyard.training.step.train_step``. Accuracy and the confusion matrix are reported when the outputs are
     class logits (N x C) for integer labels.
 
     Under ``torchrun`` (or ``brickyard run --devices ...``) every process calls ``fit`` and trains its
@@ -43,7 +43,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     the defaults of ``run_dir``, the worker logs and ``resume``.
     """
     import os
-    from brickyard.trainer import train
+    from brickyard.training.loop import train
     cfg = resolve_config(config, overrides)
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
@@ -61,7 +61,7 @@ def build_model(cfg: Config, data: DataBundle) -> nn.Module:
 
 def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
-    from brickyard.trainer import train
+    from brickyard.training.loop import train
     import torch
     data = build_data(cfg.data)
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
@@ -70,16 +70,16 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     meta = {"name": cfg.model.name, "registry": True}
     ft = cfg.finetune
     if ft.init_from or ft.reset_head or ft.freeze:
-        from brickyard.finetune import prepare
-        from brickyard import dist
-        from brickyard.runlog import Logger
+        from brickyard.models.finetune import prepare
+        from brickyard.distributed import process as dist
+        from brickyard.observe.runlog import Logger
         prepare(model, ft, cfg.model.num_classes or data.num_classes, Logger(dist.from_env().rank))
     return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
 
 
 def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
     """Rebuild a registry model from a brickyard checkpoint; returns (model, state, config)."""
-    from brickyard import checkpoint as ckpt
+    from brickyard.training import checkpoint as ckpt
     from brickyard import models
     from brickyard.errors import CheckpointError
     path = _pick_checkpoint(Path(path))
@@ -96,7 +96,7 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
 
 def _pick_checkpoint(path: Path) -> Path:
     """A run directory (or its ``checkpoints/``) stands for its ``best.pt``, else its newest step."""
-    from brickyard import checkpoint as ckpt
+    from brickyard.training import checkpoint as ckpt
     from brickyard.errors import CheckpointError
     if not path.is_dir():
         return path
@@ -110,9 +110,9 @@ def _pick_checkpoint(path: Path) -> Path:
 
 
 def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
-    from brickyard import device as dev
+    from brickyard.training import device as dev
     from brickyard.data.augment import DevicePrep
-    from brickyard.evaluation import evaluate
+    from brickyard.training.evaluation import evaluate
     path = _pick_checkpoint(Path(path))
     model, state, cfg = load_checkpoint_model(path)
     data = build_data(cfg.data)

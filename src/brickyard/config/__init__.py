@@ -1,0 +1,161 @@
+"""One typed, frozen configuration: defaults, then a YAML file, then ``--set`` overrides.
+
+``load_config(source, overrides)`` is the only way a ``Config`` is built from user input.
+Every key is checked against the dataclasses below before anything runs: an unknown key, a
+wrong type or a value out of range raises ``ConfigError`` with one line naming the key, the
+bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import yaml
+
+from brickyard.errors import ConfigError
+from brickyard.config.schema import build, cross_check, per_device_wins  # noqa: F401  (re-exported: config.build is the public name)
+from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig, DistConfig,  # noqa: F401
+                              FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig, ScheduleConfig,
+                              SnapshotConfig, SyntheticConfig, TrainConfig)
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and validating
+
+
+def list_presets() -> dict[str, str]:
+    """Preset name -> first comment line of its YAML file."""
+    out = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        out[path.stem] = first.lstrip("# ").strip()
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}).") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror}).") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides."""
+    source = source or "mnist"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {source} does not exist.")
+        raw = _read_yaml(path)
+        raw.setdefault("preset", path.stem)
+    elif (PRESET_DIR / f"{source}.yaml").is_file():
+        raw = _read_yaml(PRESET_DIR / f"{source}.yaml")
+        raw["preset"] = source
+    else:
+        names = ", ".join(list_presets())
+        raise ConfigError(f"'{source}' is neither a YAML file nor a preset; presets: {names}.")
+    base = raw.pop("base", None)
+    if base is not None:
+        per_device_wins(raw)  # this file's data.batch_size outranks the base's global batch
+        parent = load_config(str(base)).to_dict()
+        raw = _deep_merge(parent, raw)
+    return build(raw, overrides)
+
+
+# keys a resumed run may change: how long it trains, what it logs and saves, where and how fast it runs
+MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.max_time_s", "train.progress", "train.log_every",
+                        "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
+                        "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
+                        "checkpoint.", "dist.timeout_s", "data.num_workers", "data.prefetch", "data.pin_memory", "preset")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_config(run_dir, source: str | None, overrides=()) -> Config:
+    """The config a resumed run continues with: the one saved in ``run_dir`` plus ``overrides``. An
+    override (or a named config) that would change the run itself is refused, naming the key."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        return load_config(source or "mnist", overrides)
+    saved = _read_yaml(saved_path)
+    cfg = build(saved, overrides)
+    asked = load_config(source, overrides) if source else cfg
+    old, new, wanted = _flat(build(saved).to_dict()), _flat(cfg.to_dict()), _flat(asked.to_dict())
+    for key in old:
+        changed = new[key] != old[key] or wanted[key] != old[key]
+        if changed and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE_ON_RESUME):
+            value = wanted[key] if wanted[key] != old[key] else new[key]
+            raise ConfigError(f"--resume: {key} is {old[key]!r} in the run in {run_dir}, not {value!r}; a resumed run keeps "
+                              f"its config (only how long it trains, what it logs and where it runs may change).")
+    return cfg
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) rows for the config reference in the README and ``--help``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += describe(tp, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        doc = f.metadata.get("doc", "")
+        if f.metadata.get("choices"):
+            doc = (doc + "; " if doc else "") + "one of " + ", ".join(map(str, f.metadata["choices"]))
+        rows.append((prefix + f.name, repr(default), doc))
+    return rows
+
+
+TABLE_START, TABLE_END = "<!-- config table: generated by `python -m brickyard.config`; a test compares -->", "<!-- end of config table -->"
+
+
+def markdown_table() -> str:
+    """The README's configuration reference, from the schema."""
+    rows = [TABLE_START, "| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in describe():
+        rows.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    return "\n".join(rows + [TABLE_END])
+
+
+def update_readme(path: Path) -> bool:
+    """Replace the table between the markers in ``path``; True when the file changed."""
+    text = path.read_text()
+    start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
+    new = text[:start] + markdown_table() + text[end:]
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python -m brickyard.config [README.md]: print the table, or rewrite it in the file
+    import sys
+    if len(sys.argv) > 1:
+        print("updated" if update_readme(Path(sys.argv[1])) else "unchanged")
+    else:
+        print(markdown_table())

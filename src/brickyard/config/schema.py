@@ -1,0 +1,370 @@
+"""The configuration schema: every key, its type, default, allowed values and one line of doc.
+
+One frozen dataclass per section; ``Config`` holds them all. ``brickyard.config`` builds a ``Config``
+from defaults, a YAML file and ``--set`` overrides and checks it against these declarations; the
+README's configuration table is generated from them (``python -m brickyard.config``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import yaml
+
+from brickyard.config.checks import cross_check
+from brickyard.errors import ConfigError
+
+
+def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choices_str=None):
+    """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item``
+    class, ``choices_str``: the strings a number-or-string field accepts)."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item, "choices_str": choices_str}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    num_train: int = _opt(2048, min=1, doc="training images")
+    num_val: int = _opt(512, min=0, doc="validation images")
+    num_test: int = _opt(512, min=0, doc="test images")
+    channels: int = _opt(1, min=1)
+    height: int = _opt(28, min=4)
+    width: int = _opt(28, min=4)
+    num_classes: int = _opt(10, min=2)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic", "imagefolder"))
+    root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
+    download: bool = _opt(True, doc="download missing files from the public mirrors")
+    global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
+    batch_size: Union[int, str] = _opt(256, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")
+    eval_batch_size: int = _opt(250, min=1)
+    train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
+    loader: str = _opt("auto", choices=("auto", "memory", "stream"))
+    num_workers: int = _opt(2, min=0, doc="streaming loader worker processes")
+    prefetch: int = _opt(2, min=1, doc="streaming loader batches prefetched per worker")
+    pin_memory: bool = _opt(True)
+    augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
+    shift: int = _opt(2, min=0, max=16, doc="pixels for shift / crop augmentation")
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
+    train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
+    train_transforms: tuple = _opt(("auto",), doc="imagefolder training transforms; auto: small images (<= 64 px) at their own size, photos random_resized_crop:224, hflip")
+    eval_transforms: tuple = _opt(("auto",), doc="imagefolder evaluation transforms; auto: small images at their own size, photos resize:256, center_crop:224")
+    normalize: str = _opt("imagenet", choices=("imagenet", "mnist", "half", "none"), doc="imagefolder mean/std")
+    channels: int = _opt(0, min=0, doc="imagefolder channels (0 = from the first training image)")
+    val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="imagefolder without val/: hold out this fraction of train")
+    skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
+    cache: str = _opt("none", choices=("none", "memory"), doc="imagefolder: keep decoded training images in shared memory after the first epoch")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = _opt("mnist_fast", doc="a name from `brickyard models`")
+    num_classes: int = _opt(0, min=0, doc="0 = from the data set")
+    in_channels: int = _opt(0, min=0, doc="0 = from the data set")
+
+
+@dataclass(frozen=True)
+class ParamGroupRule:
+    match: str = _opt("*", doc="fnmatch pattern on parameter names, e.g. fc.* or *.bias")
+    weight_decay: Union[float, None] = _opt(None, doc="decay for the matched parameters (None = optim.weight_decay)")
+    lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = _opt("adam", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
+    lr: float = _opt(0.02, min=0.0, doc="base (peak) learning rate")
+    momentum: float = _opt(0.9, min=0.0, max=1.0)
+    weight_decay: float = _opt(0.0, min=0.0)
+    betas: tuple = _opt((0.7, 0.9))
+    eps: float = _opt(1e-8, min=0.0)
+    label_smoothing: float = _opt(0.1, min=0.0, max=1.0)
+    param_groups: tuple = _opt((), item=ParamGroupRule, doc="rules [{match, weight_decay, lr_mult}], first match wins")
+    decay_bias_norm: bool = _opt(True, doc="false: biases and norm-layer weights get no weight decay")
+    l1: float = _opt(0.0, min=0.0, doc="L1 penalty on decayed parameters, added to the loss")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = _opt("onecycle", choices=("constant", "step", "cosine", "onecycle", "warmup_linear"))
+    warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant)")
+    lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
+    lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")
+    lr_end: float = _opt(0.0, min=0.0, doc="final rate (warmup_linear, cosine)")
+    step_epochs: float = _opt(1.0, min=0.0, doc="step: decay every this many epochs")
+    gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor")
+    pct_start: float = _opt(0.25, min=0.0, max=1.0, doc="onecycle: fraction of steps rising")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: float = _opt(1.0, min=0.0, doc="may be fractional")
+    max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit)")
+    device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
+    precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
+    channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
+    compile: bool = _opt(False)
+    grad_accum: int = _opt(1, min=1)
+    grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
+    seed: int = _opt(0, min=0)
+    deterministic: bool = _opt(False, doc="deterministic kernels only (CUDA: `brickyard train` sets CUBLAS_WORKSPACE_CONFIG)")
+    log_every: int = _opt(100, min=1, doc="steps between loss read-backs")
+    eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
+    test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
+    progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
+    threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+    pin_cpus: bool = _opt(False, doc="CPU runs of several local processes: keep each on its own cores (measured: no gain with grad_sync flat)")
+    tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
+    tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
+    plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
+    histograms_every: int = _opt(0, min=0, doc="steps between weight/gradient histograms (0 = off)")
+    watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
+    watch_every: int = _opt(200, min=1)
+    nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
+    stop_if_not_learning: bool = _opt(False, doc="end the run (exit 1) when the training loss sits at chance for 3 log windows; off: a warning")
+    early_stopping: int = _opt(0, min=0, doc="stop after this many validations without improvement (0 = off)")
+    early_stopping_monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"))
+    early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
+    ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
+    max_time_s: float = _opt(0.0, min=0.0, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
+    csv_log: bool = _opt(False, doc="also write RUN_DIR/metrics.csv, one row per validation")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = _opt(0, min=0, doc="0 = off")
+    every_epoch: bool = _opt(True)
+    keep_last: int = _opt(2, min=1)
+    keep_best: bool = _opt(True)
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    servers: int = _opt(1, min=1)
+    sync: bool = _opt(True)
+    max_staleness: int = _opt(2, min=0)
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    mode: str = _opt("collective", choices=("collective", "ps"))
+    backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
+    scale_lr: str = _opt("none", choices=("none", "linear"))
+    scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
+    timeout_s: int = _opt(300, min=1)
+    grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
+                          doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
+    sync_bn: bool = _opt(False)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors)")
+    reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
+    freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*]")
+    head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    enabled: bool = _opt(False, doc="save flattened trainable parameters during training (stage 1)")
+    start_epoch: float = _opt(0.0, min=0.0, doc="first epoch to take snapshots in (0 includes the initial weights)")
+    every_steps: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="steps between snapshots; auto: spread keep of them over the epochs from start_epoch on; 0 = once per epoch")
+    keep: int = _opt(40, min=2, doc="snapshots kept (must exceed dim_reduce.n_components)")
+
+
+@dataclass(frozen=True)
+class DimReduceConfig:
+    enabled: bool = _opt(False, doc="stage 2: P-BFGS in the subspace of the stage-1 trajectory")
+    n_components: int = _opt(32, min=1)
+    rho: float = _opt(0.55, min=0.0, max=1.0, doc="line-search backtracking factor")
+    sigma: float = _opt(0.4, min=0.0, max=1.0, doc="Armijo sufficient-decrease constant")
+    gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
+    alpha: float = _opt(0.001, min=0.0, doc="residual momentum step size")
+    max_search: int = _opt(3, min=1, doc="line-search step sizes tried per step: 1, rho, rho^2 (the reference: 3)")
+    failed_search: str = _opt("take", choices=("take", "skip"), doc="when no step size passes the Armijo test: take the last (the reference) or skip the subspace step")
+    snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
+    pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
+
+
+@dataclass(frozen=True)
+class BoostConfig:
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    dim_reduce: DimReduceConfig = field(default_factory=DimReduceConfig)
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str = _opt("custom")
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    boost: BoostConfig = field(default_factory=BoostConfig)
+
+    def to_dict(self) -> dict:
+        return _to_plain(dataclasses.asdict(self))
+
+    def replace(self, **changes) -> "Config":
+        """Return a copy with dotted-key changes, validated like user overrides."""
+        return build(self.to_dict(), [f"{k}={_yaml_value(v)}" for k, v in changes.items()])
+
+
+def _to_plain(value):
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _yaml_value(v) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and checking a Config from plain values
+
+
+def per_device_wins(raw: dict, keys=None) -> None:
+    """A config that names ``data.batch_size`` (the per-device batch) without ``data.global_batch_size``
+    gets what it asked for: the global batch then follows the world size (``global_batch_size: 0``).
+    ``keys``: the dotted keys set at this level (overrides); else the keys in ``raw`` itself."""
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    named = set(keys) if keys is not None else {f"data.{k}" for k in data}
+    if "data.batch_size" in named and "data.global_batch_size" not in named:
+        raw.setdefault("data", {})["global_batch_size"] = 0
+
+
+def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
+    raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
+    per_device_wins(raw)
+    per_device_wins(raw, [item.partition("=")[0].strip() for item in overrides])
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.05.")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if not isinstance(child, dict):
+                child = {}
+                node[p] = child
+            node = child
+        node[parts[-1]] = value
+    cfg = _make(Config, raw, "")
+    cross_check(cfg)
+    return cfg
+
+
+def _make(cls, raw, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {raw!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            allowed = ", ".join(fields)
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed in this section: {allowed}.")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _make(tp, raw[name] if raw[name] is not None else {}, key + ".")
+        elif f.metadata.get("item") is not None:
+            items = raw[name] if raw[name] is not None else []
+            if not isinstance(items, (list, tuple)):
+                raise ConfigError(f"{key}: expected a list of mappings, got {items!r}.")
+            kwargs[name] = tuple(_make(f.metadata["item"], it, f"{key}[{i}].") for i, it in enumerate(items))
+        else:
+            kwargs[name] = _check(key, raw[name], tp, f.metadata)
+    return cls(**kwargs)
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    names = {type(None): "null", int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             tuple: "a list", list: "a list"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _check(key: str, value: Any, tp, meta) -> Any:
+    allowed_types = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    coerced = _coerce(value, allowed_types)
+    if coerced is _BAD:
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
+    if isinstance(coerced, str) and meta.get("choices_str") and coerced not in meta["choices_str"]:
+        raise ConfigError(f"{key}: {value!r} is not a number or one of {', '.join(meta['choices_str'])}.")
+    choices = meta.get("choices")
+    if choices is not None and coerced not in choices:
+        shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+        raise ConfigError(f"{key}: {value!r} is not one of {shown}.")
+    lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(coerced, (int, float)) and not isinstance(coerced, bool):
+        if coerced != coerced or coerced in (float("inf"), float("-inf")):
+            raise ConfigError(f"{key}: {value!r} is not allowed; give a finite number.")
+        if lo is not None and coerced < lo:
+            raise ConfigError(f"{key}: {value!r} is below the minimum {lo}.")
+        if hi is not None and coerced > hi:
+            raise ConfigError(f"{key}: {value!r} is above the maximum {hi}.")
+    return coerced
+
+
+_BAD = object()
+
+
+def _number(value) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        number = float(value.strip().replace("_", ""))
+    except ValueError:
+        return None
+    return number if number == number and abs(number) != float("inf") else None
+
+
+def _coerce(value, allowed_types):
+    for tp in allowed_types:
+        if tp is type(None) and value is None:
+            return None
+        if tp is bool and isinstance(value, bool):
+            return value
+        if tp is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        number = _number(value)  # YAML 1.1 reads 5e-5 and 1e5 as strings: take them as the numbers they are
+        if tp is float and number is not None:
+            return number
+        if tp is int and number is not None and number.is_integer():
+            return int(number)
+        if tp is str and isinstance(value, str):
+            return value
+        if tp in (tuple, list) and isinstance(value, (list, tuple)):
+            return tuple(value)
+    return _BAD

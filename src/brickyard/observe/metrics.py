@@ -1,0 +1,72 @@
+"""Metrics accumulated on the device and combined across ranks.
+
+``EvalAccumulator`` keeps sums (loss, top-1, top-5, count) and, for class logits, a confusion matrix
+as device tensors; nothing is read back until ``result()``, after one all-reduce. Outputs that are
+not class logits (a regression, a user's loss on other targets) get the loss alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brickyard.distributed import process as dist
+
+
+def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
+    """Outputs are class logits (N x C) for integer targets (N): accuracy and the confusion matrix apply."""
+    return out.dim() == 2 and y.dim() == 1 and not y.is_floating_point() and out.shape[1] > 1
+
+
+def _cross_entropy_sum(logits, y):
+    return F.cross_entropy(logits.float(), y, reduction="sum")
+
+
+class EvalAccumulator:
+    def __init__(self, num_classes: int, device: torch.device, loss_sum=None):
+        self.c, self.loss_sum = max(num_classes, 1), loss_sum or _cross_entropy_sum
+        self.sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top1, top5, count
+        self.confusion = torch.zeros(self.c * self.c, device=device, dtype=torch.int64)
+        self.classify, self.with_confusion = None, False
+
+    def update(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Add a batch; returns the predicted classes (None when the outputs are not class logits)."""
+        if self.classify is None:
+            self.classify = is_classification(out, y)
+            self.with_confusion = self.classify and out.shape[1] == self.c
+        loss = self.loss_sum(out, y).double()
+        count = torch.tensor(float(len(y)), device=y.device, dtype=torch.float64)
+        if not self.classify:
+            self.sums += torch.stack([loss, loss.new_zeros(()), loss.new_zeros(()), count])
+            return None
+        logits = out.float()
+        pred = logits.argmax(1)
+        k = min(5, logits.shape[1])
+        top5 = (logits.topk(k, 1).indices == y[:, None]).any(1)
+        self.sums += torch.stack([loss, (pred == y).sum().double(), top5.sum().double(), count])
+        if self.with_confusion:
+            self.confusion += torch.bincount(y * self.c + pred, minlength=self.c * self.c)
+        return pred
+
+    def result(self, group=None) -> dict:
+        dist.all_reduce_sum(self.sums, group)
+        dist.all_reduce_sum(self.confusion, group)  # on every rank, also one whose share was empty
+        loss, top1, top5, count = self.sums.tolist()
+        n = max(count, 1)
+        if self.classify is False:
+            return {"loss": loss / n, "accuracy": None, "top5": None, "count": int(count)}
+        if not self.with_confusion and self.classify:
+            return {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count)}
+        confusion = self.confusion.view(self.c, self.c).cpu()
+        per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1).double()).tolist()
+        return {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count),
+                "per_class_accuracy": per_class, "confusion": confusion.tolist()}
+
+
+def fit_hint(train_acc: float, val_acc: float) -> str:
+    """A one-line reading of the train/validation gap (thresholds are rules of thumb, stated)."""
+    gap = train_acc - val_acc
+    if gap > 0.05:
+        return f"train-val gap {gap:+.3f} > 0.05: over-fitting? more data, augmentation or weight decay may help"
+    if train_acc < 0.9 and gap < 0.02:
+        return f"train-val gap {gap:+.3f} and train accuracy {train_acc:.3f} < 0.90: under-fitting? train longer, a larger model or a higher rate"
+    return f"train-val gap {gap:+.3f}"

@@ -1,0 +1,245 @@
+"""PNG pictures of runs, drawn with Pillow: curves, confusion matrix, misclassified test images.
+
+``plot_runs([run])`` writes ``curves.png``, ``confusion.png`` and ``misclassified.png`` into the run
+directory; several runs overlay their curves in one ``compare-curves.png`` written to ``out``.
+
+Pillow rather than matplotlib: the three pictures take about 0.05 s instead of 0.8 s of every run's
+end on a 2-core CPU (matplotlib's import is 0.3 s of that, its text layout most of the rest), and
+brickyard already needs Pillow to read image folders.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from brickyard.errors import BrickyardError
+from brickyard.observe.runlog import read_metrics
+
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+STYLES = {"train": ((), "dot"), "val": ((6, 4), "circle"), "test": ((2, 3), "square")}  # (dash pattern, marker)
+
+
+def plot_runs(run_dirs, out: Path | None = None) -> list[Path]:
+    runs = [Path(r) for r in run_dirs]
+    for r in runs:
+        if not (r / "metrics.jsonl").is_file():
+            raise BrickyardError(f"{r} is not a run directory (no metrics.jsonl).")
+    out = Path(out) if out else runs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_curves(runs, out / ("curves.png" if len(runs) == 1 else "compare-curves.png"))]
+    if len(runs) == 1:
+        test = [x for x in read_metrics(runs[0] / "metrics.jsonl") if x.get("kind") == "test" and "confusion" in x]
+        if test:
+            written.append(_confusion(test[-1]["confusion"], out / "confusion.png"))
+        if (runs[0] / "test_errors.pt").is_file():
+            written.append(_misclassified(runs[0] / "test_errors.pt", out / "misclassified.png"))
+    return written
+
+
+def _font(size: int):
+    font = ImageFont.load_default(size=size)  # Pillow >= 10.1: a scalable font where Pillow has FreeType
+    if not isinstance(font, ImageFont.FreeTypeFont):
+        raise BrickyardError("plots need Pillow built with FreeType (pip install --upgrade Pillow).")
+    return font
+
+
+def _ticks(lo: float, hi: float, log: bool) -> list[float]:
+    """About five round values in [lo, hi]: 1-2-5 steps, or powers of ten (and 2x, 5x) on a log axis."""
+    if log:
+        a, b, decades = math.floor(math.log10(lo)), math.ceil(math.log10(hi)), math.log10(hi / lo)
+        mults = (1,) if decades > 3 else (1, 2, 5) if decades > 1.2 else (1, 1.5, 2, 3, 5, 7)
+        every = max(1, (b - a) // 6)  # a diverging loss spans many decades: about six labels
+        return [m * 10 ** e for e in range(a, b + 1, every) for m in mults if lo <= m * 10 ** e <= hi]
+    raw = (hi - lo) / 5 or 1.0
+    step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)), key=lambda s: abs(s - raw))
+    return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
+
+
+class _Axes:
+    """One panel: data limits from its series, a frame, round ticks with grid lines, labels, a legend."""
+
+    def __init__(self, draw, box, xlabel: str, ylabel: str, log: bool = False, legend_low: bool = False):
+        self.draw, self.box, self.xlabel, self.ylabel, self.log = draw, box, xlabel, ylabel, log
+        self.legend_low = legend_low  # accuracy rises to the top right: its legend goes low
+        self.series: list[tuple] = []
+
+    def plot(self, xs, ys, color: str, style: str, label: str) -> None:
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y) and (y > 0 or not self.log)]
+        if pts:
+            self.series.append((pts, color, style, label))
+
+    def _limits(self):
+        xs = [p[0] for s in self.series for p in s[0]] or [0.0, 1.0]
+        ys = [p[1] for s in self.series for p in s[0]] or [1.0, 10.0]
+        (x0, x1), (y0, y1) = (min(xs), max(xs)), (min(ys), max(ys))
+        x0, x1 = (x0 - 0.5, x1 + 0.5) if x0 == x1 else (x0, x1)
+        if self.log:
+            y0, y1 = y0 / 1.15, y1 * 1.15
+        else:
+            pad = (y1 - y0) * 0.05 or abs(y0) * 0.05 or 0.05
+            y0, y1 = y0 - pad, y1 + pad
+        return x0, x1, y0, y1
+
+    def render(self, font, small) -> None:
+        (L, T, R, B), d = self.box, self.draw
+        x0, x1, y0, y1 = self._limits()
+        fy = (lambda v: math.log10(v)) if self.log else (lambda v: v)
+        X = lambda v: L + (v - x0) / (x1 - x0) * (R - L)  # noqa: E731
+        Y = lambda v: B - (fy(v) - fy(y0)) / (fy(y1) - fy(y0)) * (B - T)  # noqa: E731
+        for t in _ticks(x0, x1, False):
+            d.line([(X(t), T), (X(t), B)], fill="#e6e6e6")
+            d.text((X(t), B + 4), f"{t:g}", fill="black", font=small, anchor="mt")
+        for t in _ticks(y0, y1, self.log):
+            d.line([(L, Y(t)), (R, Y(t))], fill="#e6e6e6")
+            d.text((L - 4, Y(t)), f"{t:g}", fill="black", font=small, anchor="rm")
+        d.rectangle([L, T, R, B], outline="black")
+        d.text(((L + R) / 2, B + 20), self.xlabel, fill="black", font=font, anchor="mt")
+        d.text((L, T - 4), self.ylabel, fill="black", font=font, anchor="ld")
+        for pts, color, style, _ in self.series:
+            xy = [(X(x), Y(y)) for x, y in pts]
+            _line(d, xy, color, STYLES[style][0])
+            for x, y in xy if len(xy) < 200 else ():
+                _marker(d, x, y, color, STYLES[style][1])
+        self._legend(small, R, B if self.legend_low else T)
+
+    def _legend(self, font, right, edge) -> None:
+        if len(self.series) < 2:  # one series: the panel's label names it
+            return
+        width = max(self.draw.textlength(s[3], font=font) for s in self.series) + 34
+        height = 14 * len(self.series) + 4
+        x, y = right - width - 6, edge - height - 6 if self.legend_low else edge + 6
+        self.draw.rectangle([x, y, right - 6, y + height], fill="white", outline="#cccccc")
+        for i, (_, color, style, label) in enumerate(self.series):
+            cy = y + 9 + 14 * i
+            _line(self.draw, [(x + 4, cy), (x + 24, cy)], color, STYLES[style][0])
+            _marker(self.draw, x + 14, cy, color, STYLES[style][1])
+            self.draw.text((x + 30, cy), label, fill="black", font=font, anchor="lm")
+
+
+def _line(d, xy, color, dash) -> None:
+    if not dash:
+        d.line(xy, fill=color, width=2)
+        return
+    on, off = dash
+    for (xa, ya), (xb, yb) in zip(xy, xy[1:]):
+        n = math.hypot(xb - xa, yb - ya)
+        for s in range(0, int(n), on + off):
+            a, b = s / n, min(n, s + on) / n
+            d.line([(xa + (xb - xa) * a, ya + (yb - ya) * a), (xa + (xb - xa) * b, ya + (yb - ya) * b)], fill=color, width=2)
+
+
+def _marker(d, x, y, color, kind) -> None:
+    r = 2 if kind == "dot" else 4
+    box = [x - r, y - r, x + r, y + r]
+    if kind == "square":
+        d.rectangle(box, fill=color)
+    else:
+        d.ellipse(box, fill=color)
+
+
+def _curves(runs, path: Path) -> Path:
+    img = Image.new("RGB", (1000, 640), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(11)
+    axes = [[_Axes(d, (60 + 500 * c, 28 + 315 * r, 480 + 500 * c, 270 + 315 * r), xl, yl, log=yl == "loss",
+                   legend_low=yl == "accuracy")
+             for c, xl in enumerate(("step", "epoch"))] for r, yl in enumerate(("loss", "accuracy"))]
+    for i, run in enumerate(runs):
+        rows = read_metrics(run / "metrics.jsonl")
+        for kind in STYLES:
+            pts = [x for x in rows if x.get("kind") == kind and "epoch" in x]  # test: train.test_every's points
+            label = kind if len(runs) == 1 else f"{run.name}: {kind}"
+            for col, key in enumerate(("step", "epoch")):
+                xs = [x[key] for x in pts]
+                axes[0][col].plot(xs, [x.get("loss") for x in pts], COLORS[i % 10], kind, label)
+                axes[1][col].plot(xs, [x.get("accuracy") for x in pts], COLORS[i % 10], kind, label)
+    for row in axes:
+        for ax in row:
+            ax.render(font, small)
+    img.save(path)
+    return path
+
+
+def scaling(world_sizes, images_per_second, efficiency, path: Path) -> Path:
+    """``bench``'s scaling.png: images/s and scaling efficiency (%) against the world size."""
+    img = Image.new("RGB", (820, 330), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(11)
+    left = _Axes(d, (70, 28, 390, 270), "world size (processes)", "images/s", legend_low=True)
+    right = _Axes(d, (480, 28, 800, 270), "world size (processes)", "scaling efficiency (%)", legend_low=True)
+    left.plot(world_sizes, images_per_second, COLORS[0], "train", "images/s")
+    right.plot(world_sizes, efficiency, COLORS[1], "test", "efficiency %")
+    left.render(font, small)
+    right.render(font, small)
+    img.save(path)
+    return path
+
+
+def _blue(t: float) -> tuple:
+    """White to dark blue, as matplotlib's "Blues" runs."""
+    a, b = (247, 251, 255), (8, 48, 107)
+    return tuple(round(p + (q - p) * t) for p, q in zip(a, b))
+
+
+def _confusion(confusion, path: Path) -> Path:
+    n = len(confusion)
+    top = max((max(r) for r in confusion), default=0) or 1
+    cell = max(8, min(44, 440 // max(n, 1)))
+    L, T = 70, 40
+    img = Image.new("RGB", (L + n * cell + 110, T + n * cell + 60), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(max(7, min(11, cell // 3)))
+    d.text((L + n * cell / 2, 12), "test confusion matrix", fill="black", font=font, anchor="mt")
+    for i, row in enumerate(confusion):
+        for j, v in enumerate(row):
+            box = [L + j * cell, T + i * cell, L + (j + 1) * cell, T + (i + 1) * cell]
+            d.rectangle(box, fill=_blue(v / top))
+            if n <= 20:
+                d.text((box[0] + cell / 2, box[1] + cell / 2), str(v), font=small, anchor="mm",
+                       fill="white" if v > top / 2 else "black")
+        if n <= 30:
+            d.text((L - 6, T + i * cell + cell / 2), str(i), fill="black", font=small, anchor="rm")
+            d.text((L + i * cell + cell / 2, T + n * cell + 4), str(i), fill="black", font=small, anchor="mt")
+    d.text((L + n * cell / 2, T + n * cell + 24), "predicted", fill="black", font=font, anchor="mt")
+    d.text((L - 24, T + n * cell / 2), "true", fill="black", font=font, anchor="rm")
+    bx = L + n * cell + 30  # the colour bar: 0 at the bottom, the largest count at the top
+    for k in range(n * cell):
+        d.line([(bx, T + k), (bx + 16, T + k)], fill=_blue(1 - k / max(1, n * cell - 1)))
+    d.text((bx + 22, T), str(top), fill="black", font=small, anchor="lt")
+    d.text((bx + 22, T + n * cell), "0", fill="black", font=small, anchor="lb")
+    img.save(path)
+    return path
+
+
+def _misclassified(source: Path, path: Path) -> Path:
+    """One mosaic, each tile scaled up and labelled 'true>predicted'."""
+    import torch
+
+    from brickyard.training.checkpoint import read
+    e = read(source, "test errors")
+    if not isinstance(e, dict) or not {"images", "true", "pred", "classes"} <= set(e):
+        raise BrickyardError(f"test errors {source} is not what a run writes there (images, true, pred, classes).")
+    images, true, pred, classes = e["images"].float(), e["true"].tolist(), e["pred"].tolist(), e["classes"]
+    n, c, h, w = images.shape
+    if e["images"].dtype != torch.uint8:
+        lo, hi = images.amin((1, 2, 3), keepdim=True), images.amax((1, 2, 3), keepdim=True)
+        images = (images - lo) / (hi - lo).clamp(min=1e-6) * 255
+    scale = max(1, 84 // max(h, w))
+    cols, th, tw, label = 6, h * scale, w * scale, 18
+    rows = max(1, (n + cols - 1) // cols)
+    img = Image.new("RGB", (cols * (tw + 10) + 10, 30 + rows * (th + label + 8)), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(11)
+    d.text((img.width / 2, 8), "misclassified test images (true>predicted)", fill="black", font=font, anchor="mt")
+    name = lambda i: str(classes[i]) if i < len(classes) else str(i)  # noqa: E731
+    pixels = images.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    for k in range(n):
+        r, q = divmod(k, cols)
+        x, y = 10 + q * (tw + 10), 30 + r * (th + label + 8)
+        tile = Image.fromarray(pixels[k, :, :, :3] if c in (3, 4) else pixels[k, :, :, 0]).convert("RGB")
+        img.paste(tile.resize((tw, th), Image.NEAREST), (x, y + label))
+        d.text((x + tw / 2, y + label / 2), f"{name(true[k])}>{name(pred[k])}", fill="red", font=small, anchor="mm")
+    img.save(path)
+    return path

@@ -1,0 +1,224 @@
+"""Memory estimate per device before a run, and the largest batch that fits.
+
+Parameters, gradients and optimiser state are counted from the model; activations are measured:
+a real forward and backward at two small batch sizes with ``saved_tensors_hooks`` counting the
+bytes autograd keeps for backward, fitted to ``fixed + per_sample x batch`` and extrapolated.
+The in-memory data set lives on the device too. Not counted: allocator fragmentation and
+framework workspaces (cuDNN), which is why the GPU check below compares against a real step.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+from brickyard.training import device as dev
+from brickyard.errors import BrickyardError
+
+STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise BrickyardError(f"memory size {text!r}: expected a number with a unit, e.g. 16GiB, 512MiB or 8GB.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str) -> int:
+    """Bytes autograd saves for backward in one forward pass of ``x`` (counted once per storage)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            key = t.untyped_storage().data_ptr()
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        except RuntimeError:
+            seen[id(t)] = t.numel() * t.element_size()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with dev.autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(v for k, v in seen.items() if k not in params)
+
+
+def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dict:
+    precision = dev.resolve_precision(cfg.train.precision, device)  # as training resolves it (auto: bf16 where native)
+    channels_last = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    param_b = sum(p.numel() * p.element_size() for p in params)
+    grad_b = sum(p.numel() * p.element_size() for p in trainable)
+    copies = STATE_COPIES[cfg.optim.name]
+    state_b = copies * grad_b
+    # activations: measured on the CPU at two small batches, fitted linearly
+    probe = torch.device("cpu")
+    m = model.to(probe, memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
+    c, (h, w) = data.in_channels, data.image_size
+    sizes = (2, 4)
+    acts = []
+    for b in sizes:
+        x = torch.randn(b, c, h, w)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        acts.append(activation_bytes(m, x, torch.zeros(b, dtype=torch.long), probe, precision if precision != "fp16" else "bf16"))
+    per_sample = max(0.0, (acts[1] - acts[0]) / (sizes[1] - sizes[0]))
+    act_fixed = max(0.0, acts[0] - per_sample * sizes[0])
+    batch = device_batch(cfg, world_size)
+    act_b = act_fixed + per_sample * batch
+    in_memory = data.in_memory and cfg.data.loader != "stream"
+    data_b = sum(s.images.numel() * s.images.element_size() for s in (data.train, data.val, data.test) if s is not None and s.images is not None) \
+        if in_memory else 0
+    sample_b = c * h * w  # uint8 batches from the loader
+    batch_b = batch * sample_b * 4 * 3  # the float batch, its normalised copy and the augmented one
+    loader_b = 0 if in_memory else cfg.data.num_workers * cfg.data.prefetch * batch * sample_b
+    fixed = param_b + grad_b + state_b + act_fixed + data_b
+    total = fixed + per_sample * batch + batch_b
+    return {
+        "parameters": param_b, "gradients": grad_b, "optimizer_state": state_b, "optimizer_copies": copies,
+        "activations": act_b, "activations_per_sample": per_sample, "batch_buffers": batch_b, "data_on_device": data_b,
+        "loader_host_buffers": loader_b, "total": total, "batch": batch, "precision": precision,
+        "per_sample_total": per_sample + 12 * sample_b, "fixed": fixed, "world_size": world_size,
+    }
+
+
+def largest_batch(est: dict, device_memory: int, headroom: float = 0.9) -> int:
+    room = device_memory * headroom - est["fixed"]
+    return max(0, int(room // max(est["per_sample_total"], 1)))
+
+
+def report(est: dict, device_memory: int | None, device_label: str) -> str:
+    lines = [f"memory per device ({device_label}, batch {est['batch']} per device, precision {est['precision']}, "
+             f"world size {est['world_size']}):"]
+    rows = [("parameters", est["parameters"]), ("gradients", est["gradients"]),
+            (f"optimiser state ({est['optimizer_copies']} cop{'y' if est['optimizer_copies'] == 1 else 'ies'})", est["optimizer_state"]),
+            (f"activations ({fmt(est['activations_per_sample'])}/sample)", est["activations"]),
+            ("batch buffers", est["batch_buffers"]), ("in-memory data set", est["data_on_device"]),
+            ("total", est["total"])]
+    for name, v in rows:
+        lines.append(f"  {name:<38} {fmt(v):>14}")
+    if est["loader_host_buffers"]:
+        lines.append(f"  {'(host) streaming loader buffers':<38} {fmt(est['loader_host_buffers']):>14}")
+    if device_memory:
+        fits = largest_batch(est, device_memory)
+        verdict = "fits" if est["total"] <= device_memory * 0.9 else "does NOT fit"
+        lines.append(f"with {fmt(device_memory)} per device (90% usable): batch {est['batch']} {verdict}; "
+                     f"largest batch that fits: {fits:,}")
+    return "\n".join(lines)
+
+
+def device_batch(cfg, world: int) -> int:
+    """The largest per-device batch a step of ``cfg`` takes on ``world`` processes (1 for ``auto``)."""
+    from brickyard.data.loaders import device_batches
+    if cfg.data.batch_size == "auto" and not cfg.data.global_batch_size:
+        return 1
+    return max(device_batches(cfg.data, cfg.train.grad_accum, world))
+
+
+def oom_tips(est: dict, cfg) -> str:
+    """Concrete ways out of an out-of-memory error for this model."""
+    b = est["batch"]
+    half = max(1, b // 2)
+    saved_opt = est["optimizer_state"]
+    accum = ([f"train.grad_accum={2 * cfg.train.grad_accum} (the global batch stays, each step in smaller parts)"]
+             if cfg.data.global_batch_size else
+             [f"train.grad_accum={2 * cfg.train.grad_accum} with data.batch_size={half} keeps the global batch"])
+    tips = [f"data.batch_size={half} (saves about {fmt(est['activations_per_sample'] * (b - half))})"] + accum
+    if est["precision"] == "fp32":
+        tips.append(f"train.precision=bf16 (activations about {fmt(est['activations'] / 2)} instead of {fmt(est['activations'])})")
+    if saved_opt:
+        tips.append(f"optim.name=sgd (no optimiser state: saves {fmt(saved_opt)})")
+    return "; ".join(tips)
+
+
+def _available_host_memory() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+CPU_BATCH = 256  # `auto` on a CPU: the cores are busy well before this for the nets here
+MIN_STEPS = 20   # `auto` never makes an epoch shorter than this many steps
+
+
+def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: int) -> tuple[int, str]:
+    """The largest per-device batch that fits, and how it was found.
+
+    On a GPU: real forward/backward steps at doubling batch sizes, with the optimiser state's bytes
+    held in reserve, until one runs out of memory; on a CPU: the estimate against half of the
+    available RAM, and at most ``CPU_BATCH``: there memory rarely binds, and a larger batch buys no
+    speed but fewer steps. Always capped so an epoch has at least ``MIN_STEPS`` steps per rank."""
+    cap = max(1, min(4096, train_size // (max(world, 1) * MIN_STEPS)))
+    if device.type != "cuda":
+        est = estimate(cfg, model, data, device, world)
+        budget = _available_host_memory() // 2
+        fits = largest_batch(est, budget, headroom=1.0)
+        return max(1, min(cap, CPU_BATCH, fits)), (f"at most {CPU_BATCH} on a CPU and {MIN_STEPS} steps an epoch; "
+                                                   f"{fits:,} would fit in half of {fmt(2 * budget)} available RAM")
+    est = estimate(cfg, model, data, torch.device("cpu"), world)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    model = model.to(device)
+    reserve = torch.empty(int(est["optimizer_state"]) // 4 + 1, device=device)  # optimiser state comes later
+    best, b = 0, 8
+    c, (h, w) = data.in_channels, data.image_size
+    while b <= cap:
+        try:
+            x = torch.randn(b, c, h, w, device=device)
+            with dev.autocast(device, precision):
+                loss = F.cross_entropy(model(x).float(), torch.zeros(b, dtype=torch.long, device=device))
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            best, b = b, b * 2
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            break
+        finally:
+            torch.cuda.empty_cache()
+    del reserve
+    if best == 0:
+        raise BrickyardError(f"data.batch_size: auto found that even a batch of 8 does not fit on {device}; {oom_tips(est, cfg)}.")
+    best = max(1, int(best * 0.9)) if best < cap else best  # the allocator needs some slack
+    return best, "probing real steps"
+
+
+def measure_cuda_step(cfg, data, device) -> int:
+    """Peak ``max_memory_allocated`` of two real training steps at the configured batch."""
+    from brickyard import models
+    from brickyard.data.augment import DevicePrep
+    from brickyard.optim import build_optimizer, param_groups
+    torch.cuda.reset_peak_memory_stats(device)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
+    model = models.build(cfg, data).to(device, memory_format=torch.channels_last if cl else torch.preserve_format)
+    opt = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
+    images = data.train.images.to(device) if data.in_memory else None
+    b = device_batch(cfg, 1)
+    for _ in range(2):
+        x = images[:b] if images is not None else torch.randint(
+            0, 255, (b, data.in_channels, *data.image_size), dtype=torch.uint8, device=device)
+        x = DevicePrep(data.mean, data.std, channels_last=cl, device=device)(x)
+        with dev.autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), torch.zeros(len(x), dtype=torch.long, device=device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

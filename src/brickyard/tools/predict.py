@@ -1,0 +1,133 @@
+"""Inference with several outputs: predicted class, probabilities and any named layers' outputs.
+
+Inputs are image files (PNG/JPEG, converted to the model's channels and size with Pillow), an
+``.npy`` array, or tensors. uint8 values are scaled by 1/255, float values are taken as 0..1
+intensities; both are then normalised with the training mean/std saved in the checkpoint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from brickyard.errors import BrickyardError, DataError
+from brickyard.observe.inspection import forward_with_outputs
+
+
+def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list[str]]:
+    tensors, names = [], []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise DataError(f"input {p} does not exist.")
+        if p.suffix.lower() == ".npy":
+            try:
+                arr = np.load(p, allow_pickle=False)
+            except ValueError as e:
+                raise DataError(f"{p} is not a plain .npy array ({e}).") from None
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            if t.dim() == 2:
+                t = t[None, None]
+            elif t.dim() == 3:
+                t = t.unsqueeze(1) if in_channels == 1 or t.shape[0] != in_channels else t[None]
+            if t.dim() != 4 or t.shape[1] != in_channels:
+                raise DataError(f"{p}: array of shape {tuple(arr.shape)} does not give N x {in_channels} x H x W images.")
+            t = _resize(t, image_size)
+            tensors.append(t)
+            names += [f"{p.name}[{i}]" for i in range(len(t))]
+        else:
+            tensors.append(_read_image(p, in_channels, image_size)[None])
+            names.append(p.name)
+    if not tensors:
+        raise DataError("no inputs given.")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        tensors = [t.float() / 255 if t.dtype == torch.uint8 else t.float() for t in tensors]
+    return torch.cat(tensors), names
+
+
+def _read_image(path: Path, in_channels: int, image_size) -> torch.Tensor:
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as im:
+            im = im.convert("L" if in_channels == 1 else "RGB").resize((image_size[1], image_size[0]), Image.BILINEAR)
+            arr = np.asarray(im, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{path} is not a readable image ({e}).") from None
+    t = torch.from_numpy(arr.copy())
+    return t[None] if t.dim() == 2 else t.permute(2, 0, 1)
+
+
+def _resize(t: torch.Tensor, image_size) -> torch.Tensor:
+    if tuple(t.shape[-2:]) == tuple(image_size):
+        return t
+    dtype = t.dtype
+    out = torch.nn.functional.interpolate(t.float(), size=tuple(image_size), mode="bilinear", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else out
+
+
+def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
+
+    ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
+    ``nn.Module`` (then inputs are used as given).
+    ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
+    """
+    from brickyard.training import device as dev
+    from brickyard.tools.export import is_exported, load_exported
+    meta = {}
+    if isinstance(model_or_checkpoint, torch.nn.Module):
+        model = model_or_checkpoint
+    elif is_exported(model_or_checkpoint):
+        model, meta = load_exported(model_or_checkpoint)
+        if outputs and meta.get("normalises"):
+            raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
+                                 f"safetensors export.")
+    else:
+        from brickyard.api import load_checkpoint_model
+        model, state, _ = load_checkpoint_model(model_or_checkpoint)
+        meta = state.get("meta", {})
+    if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], (str, Path)):
+        x, _ = load_inputs(inputs, meta.get("in_channels", 1), meta.get("image_size", (28, 28)))
+    else:
+        x = torch.as_tensor(inputs)
+    if meta:
+        xf = x.float() / 255 if x.dtype == torch.uint8 else x.float()
+        if meta.get("normalises"):  # an exported program normalises itself
+            x = xf
+        else:
+            mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
+            std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
+            x = (xf - mean) / std
+    d = dev.resolve_device(device)
+    model = model.to(d)
+    if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
+        model.eval()
+    result = forward_with_outputs(model, x.float().to(d), list(outputs))
+    logits = result["logits"].float()
+    out = {"predicted": logits.argmax(1).cpu(), "probabilities": logits.softmax(1).cpu(), "logits": logits.cpu()}
+    out.update({k: v.cpu() for k, v in result.items() if k != "logits"})
+    out["classes"] = meta.get("classes", [])
+    return out
+
+
+def write(result: dict, names: list[str], outputs, fmt: str, out: Path | None) -> str | None:
+    classes = result.pop("classes", [])
+    if fmt == "npz":
+        if out is None:
+            raise BrickyardError("--format npz needs --out FILE.npz.")
+        np.savez(out, inputs=np.array(names), **{k: v.numpy() for k, v in result.items()})
+        return None
+    import json
+    doc = {
+        "inputs": names,
+        "predicted": result["predicted"].tolist(),
+        "predicted_names": [classes[i] if i < len(classes) else str(i) for i in result["predicted"].tolist()],
+        "probabilities": [[round(p, 6) for p in row] for row in result["probabilities"].tolist()],
+        "outputs": {k: {"shape": list(result[k].shape), "data": result[k].tolist()} for k in outputs},
+    }
+    text = json.dumps(doc)
+    if out is not None:
+        Path(out).write_text(text + "\n")
+        return None
+    return text

@@ -1,0 +1,101 @@
+"""Evaluation of a split, and the end of a run: the test pass, ``summary.json`` and the plots."""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from brickyard.training import device as dev
+from brickyard.data import Split
+from brickyard.data.loaders import eval_batches
+from brickyard.errors import BrickyardError
+from brickyard.observe.metrics import EvalAccumulator
+from brickyard.observe.runlog import write_json
+
+
+def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,
+             num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
+             num_workers: int = 0, loss_sum=None) -> dict:
+    """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
+    exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
+    rank's misclassified raw images with true and predicted labels (host syncs; test time only)."""
+    was_training = model.training
+    model.eval()
+    acc = EvalAccumulator(num_classes, device, loss_sum)
+    errors, kept = [], 0
+    with torch.no_grad(), dev.autocast(device, precision):
+        for x, y in eval_batches(split, batch_size, device, world, rank, num_workers):
+            pred = acc.update(model(prep(x)), y)
+            if pred is not None and kept < keep_errors:
+                wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
+                errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
+                kept += len(wrong)
+    model.train(was_training)
+    result = acc.result(group)
+    if keep_errors and errors:
+        result["errors"] = tuple(torch.cat(parts) for parts in zip(*errors))
+    return result
+
+
+def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
+    """``evaluate`` with the run's model (its evaluation weights: EMA's average when on), data and ranks."""
+    c = run.config
+    with run.eval_weights():
+        return evaluate(run.forward, split, run.prep, run.device, run.precision, c.data.eval_batch_size,
+                        run.data.num_classes, run.data_world, run.rank, run.group, keep_errors,
+                        c.data.num_workers, run.loss_sum)
+
+
+def _fmt(r: dict, *keys) -> str:
+    return " ".join(f"{k} {r[k]:.4f}" for k in keys if r.get(k) is not None)
+
+
+def finish(run, progress, wall_start: float) -> dict:
+    """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary."""
+    cfg, data = run.config, run.data
+    summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
+               "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
+               "not_learning": run.extras.get("not_learning")}
+    if "dim_reduce" in run.extras:
+        summary["dim_reduce"] = run.extras["dim_reduce"]
+    last_val = run.extras.get("last_val")
+    if last_val is not None:
+        summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
+    if data.test is not None:
+        keep = 36 if run.is_main and cfg.train.plots and data.is_images else 0
+        r = evaluate_split(run, data.test, keep)
+        run.metrics = {k: v for k, v in r.items() if k != "errors"}
+        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
+        progress.metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
+            "loss", "accuracy", "top5", "per_class_accuracy", "confusion") if k in r})
+        progress.tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
+        run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip())
+        if run.is_main and "errors" in r:
+            wrong_images, true, pred = r["errors"]
+            torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
+                        "mean": list(data.mean), "std": list(data.std)}, run.run_dir / "test_errors.pt")
+    summary.update(
+        train_seconds=round(progress.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
+        images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(run.device),
+        world_size=run.world_size, mode=cfg.dist.mode, trainers=run.data_world, precision=run.precision,
+        channels_last=run.extras.get("channels_last"), model=run.extras.get("model_name"), data=data.name,
+        epoch_seconds=run.extras.get("epoch_seconds", []), run_dir=str(run.run_dir),
+    )
+    progress.tb.close()
+    if run.is_main:
+        write_json(run.run_dir / "summary.json", summary)
+        if cfg.train.plots:  # after summary.json is safely written; their time is added to it
+            summary["plot_seconds"] = _plots(run)
+            write_json(run.run_dir / "summary.json", summary)
+    return summary
+
+
+def _plots(run) -> float:
+    from brickyard.observe.plots import plot_runs
+    start = time.perf_counter()
+    try:
+        plot_runs([run.run_dir])
+    except BrickyardError as e:
+        run.log.warning(f"no plots: {e}")
+    return round(time.perf_counter() - start, 3)

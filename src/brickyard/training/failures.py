@@ -1,0 +1,84 @@
+"""What a run does when PyTorch fails: out of memory, a determinism refusal, a lost peer; and RNG state.
+
+``explain`` turns the ``RuntimeError`` a training process meets into the one sentence a user reads,
+or re-raises it when it is a bug of ours (a traceback is then the right answer).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from brickyard.errors import BrickyardError
+
+
+def explain(e: BaseException, cfg, model, data, device: torch.device, info, log, heartbeat, log_dir) -> BaseException:
+    """The ``BrickyardError`` for ``e`` (already written to this rank's log), or ``e`` itself."""
+    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+        return oom_error(cfg, model, data, device, info)
+    refusal = determinism_error(e, device) if cfg.train.deterministic else None
+    if refusal:
+        log.error(refusal)
+        return BrickyardError(refusal)
+    if not info.distributed or not is_comm_failure(e):
+        return e
+    silent = heartbeat.silent_ranks() if heartbeat else []
+    if silent is None:
+        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"this node lost its connection to the job's store at {store}, is the network between the nodes down?"
+    else:
+        who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
+    reason = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(e).strip())  # gloo's source file and line
+    reason = re.split(r"(?<=[a-z])\. ", reason.splitlines()[0])[0][:200] if reason else type(e).__name__
+    lost = "reset" in reason.lower() or "closed" in reason.lower()
+    what = "lost a peer" if lost else f"did not complete within dist.timeout_s={cfg.dist.timeout_s}s"
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - info.restart_count
+    then = f"; torchrun restarts the group ({restarts} restart(s) left)" if restarts > 0 else ""
+    msg = f"rank {info.rank}: a collective {what}; {who} (see the workerlogs in {log_dir}; {reason}){then}."
+    log.error(msg)
+    return BrickyardError(msg)
+
+
+def oom_error(cfg, model, data, device, info) -> BrickyardError:
+    from brickyard.tools import memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        est = memory.estimate(cfg, model.cpu(), data, device, info.world_size)
+        tips = memory.oom_tips(est, cfg)
+        need = f" (estimated {memory.fmt(est['total'])} per device)"
+    except Exception:  # noqa: BLE001  the advice must not hide the out-of-memory error itself
+        tips, need = "a smaller data.batch_size, train.grad_accum, train.precision=bf16", ""
+    return BrickyardError(f"out of memory on {device}{need}; try: {tips}.")
+
+
+def determinism_error(e: BaseException, device: torch.device) -> str | None:
+    """The sentence for PyTorch's refusals under ``torch.use_deterministic_algorithms(True)``."""
+    text = str(e)
+    if "does not have a deterministic implementation" in text:
+        op = text.split(" does not have", 1)[0].strip().split()[-1]
+        return (f"train.deterministic: {op} has no deterministic implementation on {device}; "
+                f"set train.deterministic=false or use a model without that layer.")
+    if "CUBLAS_WORKSPACE_CONFIG" in text:
+        return (f"train.deterministic on {device} needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the "
+                f"process starts (`brickyard train` sets it; set it yourself when calling brickyard from Python).")
+    return None
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

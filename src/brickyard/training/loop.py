@@ -1,0 +1,287 @@
+"""The training loop, for one process of a job of any size.
+
+``train(cfg, model, data, run_dir)`` does everything a run needs: device and precision, the
+process group, loaders, the optimiser, checkpoints and resume, evaluation and the summary. The
+loop itself (``_loop``) is one screen: every behaviour is a callback (``brickyard.callbacks.own``,
+``brickyard.callbacks``) and the step is ``brickyard.training.step.train_step``.
+
+Position in training is one integer, the optimiser ``step``: epoch = step // steps_per_epoch and
+the batch inside the epoch follow from it, the learning rate is a pure function of it, and the
+batch plan and augmentation are seeded from it. A checkpoint therefore needs only the weights,
+optimiser/scaler state, RNG state, callback state and ``step`` to resume exactly.
+
+Host syncs: the loop accumulates loss and accuracy sums on the device and reads them back
+(``.item()`` after an all-reduce) only every ``train.log_every`` steps and at evaluations.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from brickyard.callbacks import own as bh
+from brickyard.training import checkpoint as ckpt
+from brickyard.training import device as dev
+from brickyard.training import setup as assemble
+from brickyard.distributed import process as dist
+from brickyard.training import failures
+from brickyard.distributed import parameter_server as ps
+from brickyard.callbacks import from_config
+from brickyard.config import Config, save_config
+from brickyard.data import DataBundle
+from brickyard.data.loaders import check_readers
+from brickyard.errors import BrickyardError, CheckpointError
+from brickyard.training.evaluation import evaluate, evaluate_split, finish
+from brickyard.observe.runlog import Logger, MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
+from brickyard.training.run import Run
+from brickyard.observe.tensorboard import TBWriter
+
+__all__ = ["train", "evaluate", "Interrupted"]
+
+
+class Interrupted(BrickyardError):
+    exit_code = 130
+
+
+def _loop(run: Run, cbs) -> None:
+    """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks."""
+    accum = run.config.train.grad_accum
+    cbs.on_train_start(run)
+    while run.step < run.total_steps and run.stopped is None:
+        run.epoch, pos = divmod(run.step, run.steps_per_epoch)
+        cbs.on_epoch_start(run)
+        batches = run.loader.epoch(run.epoch, pos * accum)
+        for _ in range(pos, run.steps_per_epoch):
+            cbs.on_step_start(run)
+            loss = run.train_step(run, batches)
+            run.step += 1
+            cbs.on_step_end(run, loss)
+            if run.vote.should_stop(run.step, run.stop_request):
+                run.stopped = run.vote.cause
+            if run.stopped or run.step >= run.total_steps:
+                break
+        if run.interrupted:
+            break
+        if run.step % run.steps_per_epoch == 0 or run.step >= run.total_steps or run.stopped:  # an epoch ends
+            _agree_on_stop(run)  # a request made during the epoch (a time limit on one rank)
+            if _validation_due(run):
+                _validate(run, cbs)
+                _agree_on_stop(run)  # a decision on the validation metrics (early stopping)
+            cbs.on_epoch_end(run)
+    cbs.on_loop_end(run)
+
+
+def _validation_due(run: Run) -> bool:
+    """Every ``train.eval_every`` epochs and at the end; decided on what all ranks agree on only."""
+    every = run.config.train.eval_every
+    ended = run.step >= run.total_steps or run.stopped is not None
+    return run.data.val is not None and ((every and math.ceil(run.step / run.steps_per_epoch) % every == 0) or ended)
+
+
+def _validate(run: Run, cbs) -> None:
+    cbs.on_validation_start(run)
+    r = evaluate_split(run, run.data.val)
+    run.metrics = r
+    run.extras.update(last_val=r, validated_at=run.step)
+    cbs.on_validation_end(run, r)
+
+
+def _agree_on_stop(run: Run) -> None:
+    """At an epoch end every rank is at the same step: one all-reduce of the callbacks' stop requests (a
+    decision on the shared validation metrics, or a time limit reached on one rank only). A signal is
+    agreed through ``run.vote`` instead, so that every rank names it."""
+    request = run.stop_request if run.stop_request and not run.stop_request.startswith("SIG") else None
+    if run.stopped is not None:
+        return
+    if run.data_world > 1:
+        flag = torch.tensor([float(request is not None)], device=run.device)
+        if dist.all_reduce_sum(flag, run.group).item() > 0:
+            run.stopped = request or "a stop asked for on another rank"
+    elif request is not None:
+        run.stopped = request
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM become a stop request (``run.stop_request = "SIGTERM"``); a second Ctrl-C leaves at once."""
+
+    def __init__(self, run: Run):
+        self.run, self._old = run, {}
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.run.stop_request is not None and self.run.stop_request.startswith("SIG"):
+            raise KeyboardInterrupt
+        self.run.stop_request = signal.Signals(signum).name  # a signal outranks a callback's request
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None = None, resume: str | None = None,
+          model_meta: dict | None = None, info: dist.DistInfo | None = None, log_dir: Path | None = None,
+          callbacks=(), loss_fn=None, train_step=None) -> dict:
+    """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
+    wall_start = time.perf_counter()
+    info = info or dist.from_env()
+    check_readers(cfg, info.world_size, len(data.train))  # before anything is written
+    with _torch_flags():
+        host = dev.setup(cfg.train, info.local_rank, info.local_world_size)
+        if host.device.type == "cuda":
+            torch.cuda.set_device(host.device)
+        try:
+            created = dist.init(info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
+        except RuntimeError as e:
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise BrickyardError(f"rank {info.rank}: could not join the process group within dist.timeout_s="
+                                 f"{cfg.dist.timeout_s}s ({reason}).") from None
+        try:
+            run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_run_dir(cfg.preset))))
+            return _run_in(run_dir, log_dir, cfg, model, data, resume, model_meta or {}, info, host, wall_start,
+                           (list(callbacks), loss_fn, train_step))
+        finally:
+            if created:  # a process group the caller made is theirs to end
+                dist.shutdown()
+
+
+@contextlib.contextmanager
+def _torch_flags():
+    """Put back the process-wide torch settings a run changes (``fit`` leaves the process as it found it)."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark, torch.get_num_threads())
+    try:
+        yield
+    finally:
+        if torch.are_deterministic_algorithms_enabled() != saved[0]:  # the setter imports torch._inductor (1 s)
+            torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.benchmark = saved[1]
+        torch.set_num_threads(saved[2])
+
+
+def _run_in(run_dir: Path, log_dir, cfg, model, data, resume, meta, info, host, wall_start, user) -> dict:
+    """The run inside its directory: logs and metrics opened, failures turned into one sentence."""
+    if info.is_main and not resume and info.restart_count == 0:
+        refuse_reuse(run_dir)  # before anything in it is opened
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(log_dir) if log_dir else run_dir / "logs"
+    log = Logger(info.rank, tuple([log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])))
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
+    heartbeat = None
+    try:
+        heartbeat = dist.Heartbeat(info)
+        return _train(cfg, model, data, run_dir, resume, meta, info, host, log, metrics, wall_start, user)
+    except BrickyardError as e:
+        log.error(str(e))
+        raise
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        raise failures.explain(e, cfg, model, data, host.device, info, log, heartbeat, log_dir) from None
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        metrics.close()
+        log.close()
+
+
+def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: Logger, metrics: MetricsWriter,
+           wall_start, user) -> dict:
+    user_callbacks, loss_fn, user_step = user
+    if resume and cfg.dist.mode == "ps":
+        raise BrickyardError(ps.NO_RESUME)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.data.batch_size == "auto":
+        cfg = assemble.resolve_auto_batch(cfg, model, data, host.device, info, log)
+    run = assemble.build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step)
+    if run.update is None:  # a parameter server: it serves until the trainers are done
+        return {}
+    tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
+    progress = bh.ProgressLog(run, metrics, tb, None if run.data.in_memory else "try more data.num_workers")
+    cbs = assemble.callbacks_for(run, progress, metrics, tb, from_config(cfg) + user_callbacks, _checkpoint_state)
+    _restore(run, cbs, resume)
+    assemble.wrap(run)
+    if info.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
+            "precision": run.precision, "channels_last": run.extras["channels_last"], "threads": host.threads,
+            "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": run.grad_sync.name,
+            "allocator": host.allocator, "model": meta, "restart_count": info.restart_count}))
+    assemble.announce(run, host, info)
+    metrics.write(kind="start", step=run.step, world_size=info.world_size, total_steps=run.total_steps)
+    run.model.train()
+    with _StopFlag(run):
+        _loop(run, cbs)
+    run.loader.close()  # the streaming loader's persistent workers
+    run.update.finish()
+    if run.interrupted:
+        where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
+        restarting = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0  # e.g. a node joined an elastic job
+        then = " (a group torchrun restarts resumes there by itself)" if restarting else ""
+        raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
+                          f"`brickyard train --run-dir {run_dir} --resume auto`{then}.")
+    summary = finish(run, progress, wall_start)
+    cbs.on_train_end(run, summary)
+    metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
+    dist.barrier()
+    return summary
+
+
+def _checkpoint_state(run: Run) -> dict:
+    data, meta = run.data, run.extras["meta"]
+    manager = run.extras.get("manager")
+    return {
+        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+        "rng": failures.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
+        "best_metric": manager.best_metric if manager else None, "config": run.config.to_dict(),
+        "boost": run.update.state_dict(), "callbacks": run.callbacks.state_dict(),
+        "meta": {**meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
+                 "image_size": list(data.image_size), "in_channels": data.in_channels,
+                 "num_classes": data.num_classes, "data": data.name},
+    }
+
+
+def _restore(run: Run, cbs, resume: str | None) -> None:
+    """Continue from a checkpoint: weights, optimiser, scaler, RNG, callbacks' state and the step."""
+    if not resume:
+        return
+    found = _resume_state(resume, run.run_dir, run.log)
+    if found is None:
+        return
+    path, state = found
+    ckpt.check_model(state, run.model, path)
+    run.model.load_state_dict(state["model"])
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
+    if state.get("scaler"):
+        run.scaler.load_state_dict(state["scaler"])
+    if state.get("boost"):
+        run.update.load_state_dict(state["boost"])
+    cbs.load_state_dict(state.get("callbacks") or {})
+    failures.set_rng_state(state["rng"], run.device)
+    run.step = int(state["step"])
+    if run.extras.get("manager") is not None:
+        run.extras["manager"].best_metric = state.get("best_metric")
+    run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
+
+
+def _resume_state(resume: str, run_dir: Path, log: Logger):
+    if resume == "auto":
+        found = ckpt.newest_valid(run_dir / "checkpoints", log.warning)
+        if found is None:
+            log.info(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
+        return found
+    return Path(resume), ckpt.load(resume)
+
+

@@ -1,0 +1,140 @@
+"""What a user meets in the first hour: the numbers and lines a run prints, `models`, `memory`."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from brickyard import api
+from brickyard.errors import BrickyardError
+from conftest import SYNTH, run_cli, sets
+
+CPU = {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False, "tensorboard": False}
+
+
+def test_log_lines_count_epochs_from_one_and_show_small_rates(tmp_path):
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    cfg = {"train": CPU | {"epochs": 2, "log_every": 2}, "data": {"batch_size": 16},
+           "optim": {"lr": 5e-5}, "schedule": {"name": "constant"}}
+    api.fit(nn.Linear(4, 2), (x, y), val_data=(x, y), config=cfg, run_dir=tmp_path / "r")
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "epoch 1 step 2/4 loss" in log and "lr 5e-05 " in log and "epoch 0 " not in log
+    assert "epoch 1 step 4 val loss" in log and "epoch 2 step 8 val loss" in log
+
+
+def test_non_finite_loss_without_a_checkpoint_says_so(tmp_path):
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.fill_(float("inf"))
+    with pytest.raises(BrickyardError) as e:
+        api.fit(model, (x, y), config={"train": CPU}, run_dir=tmp_path / "r")
+    assert "no checkpoint was written yet" in str(e.value) and "newest checkpoint" not in str(e.value)
+
+
+def test_models_are_listed_at_their_natural_input():
+    r = run_cli("models")
+    assert r.returncode == 0
+    line = next(l for l in r.stdout.splitlines() if l.startswith("mnist_fast "))
+    assert "29,322 params" in line and "(1x28x28" in line  # what the training log says for MNIST
+
+
+def test_memory_reports_the_precision_training_would_use():
+    for forced, want in (("1", "precision bf16"), ("0", "precision fp32")):
+        r = run_cli("memory", "mnist", *sets(*[s for s in SYNTH if not s.startswith("train.precision")]),
+                    env={"BRICKYARD_CPU_BF16": forced})
+        assert r.returncode == 0, r.stderr
+        assert want in r.stdout
+
+
+def test_the_licence_is_declared_the_way_setuptools_wants():
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'^license = "MIT"$', text, re.M)  # a table is deprecated and printed a warning at every install
+
+
+def test_resume_continues_the_run_in_the_directory_and_refuses_changes_to_it(tmp_path):
+    run = tmp_path / "r"
+    first = run_cli("train", *sets(*SYNTH, "train.epochs=1", "data.synthetic.num_train=320"), "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for extra, key in ((["--set", "data.name=mnist"], "data.name"), (["mnist"], "data.name"),
+                       (["--set", "optim.lr=5e-5"], "optim.lr")):
+        r = run_cli("train", *extra, "--run-dir", str(run), "--resume", "auto")
+        assert r.returncode == 2 and r.stderr.startswith(f"error: --resume: {key} is ") and r.stderr.count("\n") == 1, r.stderr
+        assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+    again = run_cli("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.epochs=2")  # as printed, plus epochs
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"] == "synthetic" and summary["steps"] == 2 * 10 and summary["epochs"] == 2
+
+
+def test_validation_compares_recent_training_accuracy_and_hints_only_with_reason(tmp_path):
+    run = tmp_path / "r"
+    r = run_cli("train", *sets(*SYNTH, "data.synthetic.num_train=2048", "data.batch_size=128", "train.log_every=10",
+                               "train.epochs=1", "optim.lr=0.1"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    val = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"val"' in l][0]
+    first_window = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in l][0]
+    # the epoch's first steps are near chance; the comparison uses the steps since the last log line
+    assert first_window["accuracy"] < 0.9 and val["train_accuracy"] > 0.95 and val["accuracy"] > 0.95
+    assert "under-fitting" not in (run / "train.log").read_text()
+    assert "(last 768 training images)" in (run / "train.log").read_text()
+
+
+def test_epoch_times_and_test_accuracy_during_training(tmp_path):
+    run = tmp_path / "r"
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=3", "train.test_every=1"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    tests = [x for x in rows if x["kind"] == "test"]
+    assert [x.get("epoch") for x in tests] == [1, 2, None]  # during training, then the final pass
+    summary = json.loads((run / "summary.json").read_text())
+    assert len(summary["epoch_seconds"]) == 3 and all(s > 0 for s in summary["epoch_seconds"])
+    assert [x["epoch"] for x in rows if x["kind"] == "epoch"] == [1, 2, 3]
+    assert "epoch 2 took" in (run / "train.log").read_text()
+
+
+def test_input_bound_advice_fits_the_loader():
+    """The in-memory loader has no workers to add: its input-bound line must not suggest them."""
+    import time
+    from types import SimpleNamespace as NS
+    from brickyard.callbacks.own import ProgressLog
+    from brickyard.training.step import Update
+
+    class Totals:
+        count, classify = 0, True
+
+        def read(self):
+            return [1.0, 1.0, float(self.count)]
+
+    lines = []
+    for hint in (None, "try more data.num_workers"):
+        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, totals=Totals(), data_world=1,
+                 update=Update(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
+                 train_loss=None, extras={}, log=NS(info=lambda line, console=True: lines.append(line)))
+        log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint)
+        log.on_epoch_start(run)
+        run.totals.count, run.data_wait = 8, 1.0  # the whole window spent waiting for data
+        time.sleep(0.01)
+        log._log(run)
+    assert "input-bound" not in lines[0] and "num_workers" not in lines[0]
+    assert "input-bound" in lines[1] and "try more data.num_workers" in lines[1]
+
+
+def test_a_run_that_stops_learning_says_so_and_can_end_there(tmp_path):
+    frozen = [*SYNTH, "optim.lr=0", "train.epochs=4", "train.log_every=4", "checkpoint.every_steps=8"]  # lr 0: at chance
+    r = run_cli("train", *sets(*frozen), "--run-dir", str(tmp_path / "warn"))
+    assert r.returncode == 0, r.stderr
+    warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: not learning")]
+    assert len(warnings) == 1 and "ln 10 = 2.303" in warnings[0] and "learning rate too high" in warnings[0]
+    assert json.loads((tmp_path / "warn" / "summary.json").read_text())["not_learning"].startswith("not learning")
+    r = run_cli("train", *sets(*frozen, "train.stop_if_not_learning=true"), "--run-dir", str(tmp_path / "stop"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: not learning") and "stopped" in lines[0]
+    assert list((tmp_path / "stop" / "checkpoints").glob("step-*.pt"))  # what it had is kept
+    healthy = run_cli("train", *sets(*SYNTH, "train.epochs=4", "train.log_every=4"), "--run-dir", str(tmp_path / "ok"))
+    assert healthy.returncode == 0 and "not learning" not in healthy.stderr

@@ -1,0 +1,108 @@
+import pytest
+
+from brickyard.config import Config, build, describe, list_presets, load_config
+from brickyard.errors import ConfigError
+
+
+def test_defaults_yaml_then_overrides(tmp_path):
+    f = tmp_path / "my.yaml"
+    f.write_text("optim:\n  lr: 0.2\n  name: adam\ndata:\n  batch_size: 64\n")
+    cfg = load_config(str(f), ["optim.lr=0.05", "data.batch_size=256", "train.channels_last=false"])
+    assert isinstance(cfg, Config)
+    assert cfg.optim.lr == 0.05 and cfg.optim.name == "adam"
+    assert cfg.data.batch_size == 256
+    assert cfg.train.channels_last is False
+    assert cfg.preset == "my"
+    assert cfg.schedule == Config().schedule  # untouched sections keep defaults
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.name=adamm", "optim.name: 'adamm' is not one of sgd, momentum, nesterov, adagrad, adadelta, adam, adamw"),
+    ("optim.lrr=0.1", "optim.lrr: unknown key"),
+    ("nosection.x=1", "nosection: unknown key"),
+    ("train.grad_accum=abc", "train.grad_accum: 'abc' is not an integer"),
+    ("data.batch_size=abc", "data.batch_size: 'abc' is not a number or one of auto"),
+    ("data.batch_size=0", "data.batch_size: 0 is below the minimum 1"),
+    ("optim.momentum=1.5", "optim.momentum: 1.5 is above the maximum 1.0"),
+    ("train.precision=fp8", "train.precision: 'fp8' is not one of auto, fp32, bf16, fp16"),
+    ("train.grad_accum=1.5", "train.grad_accum: 1.5 is not an integer"),
+    ("optim=3", "optim: expected a mapping"),
+    ("novalue", "expected KEY=VALUE"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("mnist", [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_every_preset_loads_and_round_trips():
+    names = list_presets()
+    assert {"mnist", "mnist-course", "fashion-resnet18", "mnist-lenet"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.preset == name
+        assert build(cfg.to_dict()) == cfg
+
+
+def test_course_preset_is_the_course_recipe():
+    cfg = load_config("mnist-course")
+    assert (cfg.optim.name, cfg.optim.lr, cfg.data.batch_size, cfg.train.epochs) == ("sgd", 0.01, 100, 5)
+    assert cfg.train.precision == "fp32" and cfg.model.name == "mnist_cnn" and not cfg.data.train_on_all
+
+
+def test_unknown_preset_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="neither a YAML file nor a preset"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_reference_rows_cover_all_sections():
+    keys = [k for k, _, _ in describe()]
+    for section in ("data.", "model.", "optim.", "schedule.", "train.", "checkpoint.", "dist."):
+        assert any(k.startswith(section) for k in keys)
+
+
+def test_readme_configuration_table_is_generated_from_the_schema():
+    from pathlib import Path
+    from brickyard.config import TABLE_END, TABLE_START, describe, markdown_table
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    shown = readme[readme.index(TABLE_START):readme.index(TABLE_END) + len(TABLE_END)]
+    assert shown == markdown_table(), "README's table differs: run `python -m brickyard.config README.md`"
+    assert all(f"| `{key}` |" in shown for key, _, _ in describe())  # every key, data.cache and optim.l1 included
+
+
+def test_numbers_are_taken_as_people_write_them(tmp_path):
+    f = tmp_path / "ft.yaml"
+    f.write_text("base: mnist\noptim:\n  lr: 5e-5\nschedule:\n  lr_max: 3e-4\ntrain:\n  max_steps: 1e3\n")
+    cfg = load_config(str(f), ["optim.weight_decay=1e-4"])
+    assert cfg.optim.lr == 5e-5 and cfg.schedule.lr_max == 3e-4 and cfg.train.max_steps == 1000 and cfg.optim.weight_decay == 1e-4
+    for bad, msg in (("train.max_steps=1.5e0", "is not an integer"), ("optim.lr=abc", "is not a number"),
+                     ("train.epochs=.inf", "give a finite number")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config("mnist", [bad])
+
+
+def test_cross_field_checks_run_when_the_config_is_built():
+    for override, msg in (
+        (["boost.snapshots.enabled=true", "boost.snapshots.keep=10"], "boost.snapshots.keep: 10 must exceed"),
+        (["boost.dim_reduce.enabled=true", "train.grad_accum=2"], "train.grad_accum: 1"),
+        (["optim.betas=[0.9]"], "optim.betas: \\[0.9\\] must be two numbers"),
+        (["optim.betas=[0.9, 1.5]"], "must be two numbers in \\[0, 1\\)"),
+        (["data.train_transforms=[resize:abc]"], "data.train_transforms: transform 'resize:abc' is not one of"),
+        (["dist.mode=ps", "train.early_stopping=3"], "train.early_stopping: a synchronous parameter-server run"),
+        (["dist.grad_sync=flat", "dist.sync_bn=true"], "dist.grad_sync: flat does not run SyncBatchNorm"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            load_config("mnist", override)

@@ -1,0 +1,170 @@
+"""Image folders, export, fine-tuning with frozen layers."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from brickyard import api
+from brickyard.training import checkpoint
+from brickyard.config import load_config
+from brickyard.data import build_data
+from brickyard.errors import CheckpointError, ConfigError, DataError
+from conftest import SYNTH, run_cli, sets
+
+IF = ["data.name=imagefolder", "data.train_transforms=[resize:28x28]", "data.eval_transforms=[resize:28x28]",
+      "data.normalize=mnist", "model.name=mnist_cnn", "train.device=cpu", "train.progress=none", "data.num_workers=1",
+      "train.precision=fp32", "optim.name=nesterov", "optim.weight_decay=0.0005", "optim.label_smoothing=0"]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    if not __import__("conftest").have_mnist():
+        pytest.skip("MNIST files not found")
+    out = tmp_path_factory.mktemp("digits")
+    r = run_cli("data", "export", "mnist", str(out), "--limit", "150")  # per class: 1,500 images a split
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _png(path, arr):
+    from PIL import Image
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
+
+
+def test_export_is_pixel_exact_and_trains(digits, tmp_path):
+    from brickyard.data import idx
+    arrays = idx.load_idx("mnist", None, False)
+    d = build_data(load_config("mnist", IF + [f"data.root={digits}"]).data)
+    assert d.classes == [str(i) for i in range(10)] and d.in_channels == 1 and d.image_size == (28, 28)
+    ds = d.test.dataset
+    for k in (0, 17, 333):
+        i = int(ds.files[k].stem)
+        img, label = ds[k]
+        assert torch.equal(img[0], torch.from_numpy(np.array(arrays["t10k-images-idx3-ubyte"][i])))
+        assert label == int(arrays["t10k-labels-idx1-ubyte"][i])
+    s = api.train_config(load_config("mnist", IF + [f"data.root={digits}", "train.epochs=3", "data.batch_size=32", "optim.lr=0.05"]), tmp_path / "r")
+    assert s["test_accuracy"] > 0.9
+    state = checkpoint.load(tmp_path / "r" / "checkpoints" / "best.pt")
+    assert state["meta"]["classes"] == [str(i) for i in range(10)]
+
+
+def test_imagefolder_bad_inputs(tmp_path):
+    root = tmp_path / "pics"
+    for c in ("cat", "dog"):
+        for i in range(3):
+            _png(root / "train" / c / f"{i}.png", (np.random.rand(12, 10, 3) * 255).astype(np.uint8))
+            _png(root / "test" / c / f"{i}.png", (np.random.rand(12, 10, 3) * 255).astype(np.uint8))
+    base = load_config("mnist", IF + [f"data.root={root}", "data.eval_transforms=[resize:8x8]", "data.train_transforms=[random_resized_crop:8, hflip]"])
+    d = build_data(base.data)
+    assert d.in_channels == 3 and d.classes == ["cat", "dog"] and d.train.dataset[0][0].shape == (3, 8, 8)
+    (root / "train" / "dog" / "1.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    with pytest.raises(DataError, match=r"dog/1.png is unreadable or truncated"):
+        api.train_config(base.replace(**{"train.epochs": 1}), tmp_path / "r")
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        d = build_data(base.replace(**{"data.skip_bad_images": True}).data)
+    assert len(d.train) == 5
+    (root / "train" / "dog" / "notes.txt").write_text("hi")
+    with pytest.raises(DataError, match="notes.txt is not an image file"):
+        build_data(base.data)
+    (root / "train" / "dog" / "notes.txt").unlink()
+    (root / "train" / "bird").mkdir()
+    with pytest.raises(DataError, match="class folder .*bird is empty"):
+        build_data(base.data)
+    (root / "train" / "bird").rmdir()
+    _png(root / "test" / "fox" / "0.png", np.zeros((12, 10, 3), np.uint8))
+    with pytest.raises(DataError, match="class folder 'fox' that the training split lacks"):
+        build_data(base.data)
+    with pytest.raises(ConfigError, match="transform 'blur:3' is not one of"):
+        build_data(base.replace(**{"data.train_transforms": ["blur:3"]}).data)
+    r = run_cli("train", *sets(*IF, f"data.root={root}", "data.eval_transforms=[resize:8x8]", "data.train_transforms=[resize:8x8]"),
+                "--run-dir", str(tmp_path / "cli"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
+
+
+def test_finetune_frozen_layers_stay_bit_identical_and_head_gets_its_rate(tmp_path):
+    pre = tmp_path / "pre"
+    api.train_config(load_config("mnist", SYNTH + ["model.name=mnist_cnn", "train.epochs=1", "data.classes=[0, 1, 2, 3, 4]"]), pre)
+    src = checkpoint.step_checkpoints(pre / "checkpoints")[-1]
+    before = checkpoint.load(src)["model"]
+    run = tmp_path / "ft"
+    r = run_cli("train", *sets(*SYNTH, "model.name=mnist_cnn", "train.epochs=2", "data.classes=[5, 6, 7, 8, 9]",
+                               f"finetune.init_from={src}", "finetune.reset_head=true", "finetune.freeze=[conv1.*]",
+                               "finetune.head_lr_mult=10", "optim.lr=0.01"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "param group head fc" in r.stdout and "lr 0.1 (x10)" in r.stdout and "frozen: 2 parameter tensors" in r.stdout
+    after = checkpoint.load(checkpoint.step_checkpoints(run / "checkpoints")[-1])["model"]
+    assert torch.equal(after["conv1.weight"], before["conv1.weight"]) and torch.equal(after["conv1.bias"], before["conv1.bias"])
+    assert not torch.equal(after["conv2.weight"], before["conv2.weight"])
+    assert json.loads((run / "summary.json").read_text())["test_accuracy"] > 0.5
+
+
+def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
+    from brickyard.models import create
+    tv = create("resnet18_imagenet", 1000, 3, (224, 224)).state_dict()
+    path = tmp_path / "resnet18.pth"
+    torch.save({f"module.{k}": v for k, v in tv.items()}, path)
+    from brickyard.models.finetune import prepare
+    from brickyard.observe.runlog import Logger
+    cfg = load_config("mnist", [f"finetune.init_from={path}", "finetune.reset_head=true", "finetune.freeze=[conv1.*, layer1.*]"]).finetune
+    model = prepare(create("resnet18_imagenet", 7, 3, (224, 224)), cfg, 7, Logger())
+    assert model.fc.out_features == 7 and torch.equal(model.conv1.weight, tv["conv1.weight"])
+    assert not model.layer1[0].conv1.weight.requires_grad and model.layer2[0].conv1.weight.requires_grad
+    model.train()
+    model(torch.randn(2, 3, 64, 64))
+    assert not model.layer1[0].bn1.training and model.layer2[0].bn1.training  # frozen batch norm stays in eval mode
+    with pytest.raises(CheckpointError, match=r"fc.weight has shape \(1000, 512\) in .* the model expects \(7, 512\) \(set finetune.reset_head"):
+        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", [f"finetune.init_from={path}"]).finetune, 7, Logger())
+    with pytest.raises(ConfigError, match="pattern 'stem.\\*' matches no parameter"):
+        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", ["finetune.freeze=[stem.*]"]).finetune, 7, Logger())
+    from safetensors.torch import save_file
+    save_file(tv, str(tmp_path / "w.safetensors"))
+    m = prepare(create("resnet18_imagenet", 1000, 3, (224, 224)),
+                load_config("mnist", [f"finetune.init_from={tmp_path / 'w.safetensors'}"]).finetune, 1000, Logger())
+    assert torch.equal(m.fc.weight, tv["fc.weight"])
+
+
+def test_memory_cache_means_no_decoding_after_the_first_epoch(tmp_path):
+    root = tmp_path / "pics"
+    for c in ("a", "b"):
+        for i in range(6):
+            _png(root / "train" / c / f"{i}.png", (np.random.rand(10, 10) * 255).astype(np.uint8))
+    cfg = load_config("mnist", IF + [f"data.root={root}", "data.train_transforms=[resize:8x8, hflip]",
+                                     "data.eval_transforms=[resize:8x8]", "data.cache=memory"])
+    with pytest.raises(ConfigError, match="data.cache: memory needs transforms that reach a fixed size"):
+        build_data(cfg.replace(**{"data.train_transforms": ["random_resized_crop:8"]}).data)
+    ds = build_data(cfg.data).train.dataset
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    first = sorted(tuple(x.shape) for x, _ in loader)
+    assert bool(ds.filled.all())  # the workers filled the shared cache
+    for f in (root / "train").rglob("*.png"):
+        f.unlink()  # a second epoch that decoded anything would fail now
+    second = sorted(tuple(x.shape) for x, _ in loader)
+    assert first == second and len(second) == 3
+
+
+def test_inspect_takes_an_image_folder_config(digits):
+    r = run_cli("inspect", "mnist", *sets(*IF, f"data.root={digits}"), "--batch", "8")
+    assert r.returncode == 0, r.stderr
+    assert "conv1" in r.stdout and "8x20x28x28" in r.stdout
+
+
+def test_a_small_export_keeps_every_class_and_trains(tmp_path):
+    out = tmp_path / "few"
+    r = run_cli("data", "export", "mnist", str(out), "--limit", "3")
+    assert r.returncode == 0 and "30 train, 30 val, 30 test" in r.stdout, r.stderr
+    assert all(len(list((out / s / str(c)).iterdir())) == 3 for s in ("train", "val", "test") for c in range(10))
+    t = run_cli("train", *sets(*IF, f"data.root={out}", "train.epochs=1", "data.batch_size=10"), "--run-dir", str(tmp_path / "r"))
+    assert t.returncode == 0, t.stderr
+
+
+def test_default_transforms_follow_the_images_own_size(digits, tmp_path):
+    small = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={digits}", "data.normalize=mnist"]).data)
+    assert small.image_size == (28, 28) and small.train.dataset[0][0].shape == (1, 28, 28)
+    photos = tmp_path / "photos"
+    for c in ("cat", "dog"):
+        for i in range(2):
+            _png(photos / "train" / c / f"{i}.png", (np.random.rand(300, 400, 3) * 255).astype(np.uint8))
+    big = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={photos}"]).data)
+    assert big.image_size == (224, 224) and big.train.dataset[0][0].shape == (3, 224, 224)

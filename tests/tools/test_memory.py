@@ -1,0 +1,71 @@
+"""`brickyard memory`: the breakdown, optimiser state per optimiser, the largest batch, OOM advice."""
+import pytest
+import torch
+
+from brickyard.tools import memory
+from brickyard.api import build_model
+from brickyard.config import load_config
+from brickyard.data import build_data
+from brickyard.errors import BrickyardError
+from conftest import SYNTH, needs_mnist, run_cli
+
+
+def _est(*overrides):
+    cfg = load_config("mnist", SYNTH + ["model.name=mnist_cnn", *overrides])
+    data = build_data(cfg.data)
+    return memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu")), cfg, data
+
+
+@pytest.mark.parametrize("opt, copies", [("sgd", 0), ("momentum", 1), ("nesterov", 1), ("adagrad", 1), ("adadelta", 2), ("adam", 2), ("adamw", 2)])
+def test_optimizer_state_copies(opt, copies):
+    est, _, _ = _est(f"optim.name={opt}")
+    assert est["optimizer_copies"] == copies and est["optimizer_state"] == copies * est["gradients"]
+    assert est["gradients"] == est["parameters"] > 0
+
+
+def test_activations_extrapolate_linearly_and_batch_limit():
+    est, cfg, data = _est("data.batch_size=16")
+    model = build_model(cfg, data).to(memory_format=torch.channels_last)
+    x = torch.randn(16, 1, 28, 28).contiguous(memory_format=torch.channels_last)
+    real = memory.activation_bytes(model, x, torch.zeros(16, dtype=torch.long), torch.device("cpu"), "fp32")
+    assert abs(est["activations"] - real) / real < 0.05
+    small = memory.largest_batch(est, 64 * 2**20)
+    big = memory.largest_batch(est, 1 * 2**30)
+    assert 0 < small < big
+    tips = memory.oom_tips(est, cfg)
+    assert "data.batch_size=8" in tips and "train.grad_accum=2" in tips and "train.precision=bf16" in tips
+
+
+@needs_mnist
+def test_memory_command_prints_the_breakdown():
+    r = run_cli("memory", "mnist", "--device-memory", "1GiB", "--set", "optim.name=nesterov")  # one state copy per parameter
+    assert r.returncode == 0, r.stderr
+    for row in ("parameters", "gradients", "optimiser state (1 copy)", "activations", "in-memory data set", "total",
+                "largest batch that fits"):
+        assert row in r.stdout, row
+    bad = run_cli("memory", "mnist", "--device-memory", "lots")
+    assert bad.returncode == 2 and "expected a number with a unit" in bad.stderr
+
+
+def test_parse_size():
+    assert memory.parse_size("16GiB") == 16 * 2**30 and memory.parse_size("512 MB") == 512e6
+    with pytest.raises(BrickyardError):
+        memory.parse_size("12 parsecs")
+
+
+def test_batch_size_auto_is_chosen_and_recorded(tmp_path):
+    from brickyard import api
+    s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1"]), tmp_path / "r")
+    chosen = load_config(str(tmp_path / "r" / "config.yaml")).data.batch_size
+    assert isinstance(chosen, int) and 1 <= chosen <= 512 and s["steps"] >= 1
+    assert "data.batch_size: auto chose" in (tmp_path / "r" / "train.log").read_text()
+    with pytest.raises(Exception, match="'huge' is not a number or one of auto"):
+        load_config("mnist", ["data.batch_size=huge"])
+
+
+def test_batch_size_auto_on_a_cpu_keeps_an_epoch_of_steps(tmp_path):
+    from brickyard import api
+    s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1",
+                                                       "data.synthetic.num_train=2048"]), tmp_path / "r")
+    chosen = load_config(str(tmp_path / "r" / "config.yaml")).data.batch_size
+    assert chosen <= 2048 // 20 and s["steps"] >= 20  # it chose 2048 (one step) before

@@ -1,0 +1,207 @@
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from brickyard import api
+from brickyard.training import checkpoint
+from brickyard.config import load_config
+from brickyard.errors import CheckpointError, DeviceError
+from conftest import SYNTH, run_cli, sets
+
+DETERMINISTIC = SYNTH + ["train.deterministic=true", "train.epochs=3", "train.log_every=1",
+                         "data.augment=shift", "optim.name=momentum", "schedule.name=onecycle"]
+
+
+def _final_weights(run_dir):
+    return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])["model"]
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_run_writes_every_file(tmp_path):
+    run = tmp_path / "run"
+    summary = api.train_config(load_config("mnist", SYNTH + ["train.epochs=2"]), run)
+    for name in ("config.yaml", "env.json", "metrics.jsonl", "train.log", "summary.json", "logs/workerlog.0"):
+        assert (run / name).is_file(), name
+    assert (run / "checkpoints" / "best.pt").is_file()
+    saved = json.loads((run / "summary.json").read_text())
+    for key in ("test_accuracy", "val_accuracy", "test_loss", "epochs", "steps", "train_seconds", "wall_seconds",
+                "images_per_second", "device", "world_size", "precision"):
+        assert key in saved, key
+    assert saved["steps"] == 2 * 16 and saved["world_size"] == 1 and saved["test_accuracy"] > 0.5
+    kinds = [json.loads(l)["kind"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("val") == 2 and "test" in kinds and "train" in kinds
+    env = json.loads((run / "env.json").read_text())
+    assert env["torch"] == torch.__version__ and env["seed"] == 0
+    assert env["allocator"] == ("glibc heap kept" if sys.platform.startswith("linux") else "default")
+    assert load_config(str(run / "config.yaml")).optim == load_config("mnist", SYNTH).optim
+    assert summary["test_accuracy"] == saved["test_accuracy"]
+
+
+def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path):
+    cfg = load_config("mnist", DETERMINISTIC + ["checkpoint.every_steps=5", "checkpoint.keep_last=100"])
+    api.train_config(cfg, tmp_path / "full")
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "full" / "checkpoints" / "step-0000020.pt", resumed / "checkpoints")  # step 20 = epoch 1, batch 4
+    summary = api.train_config(cfg, resumed, resume="auto")
+    assert summary["steps"] == 48
+    assert _same(_final_weights(tmp_path / "full"), _final_weights(resumed))
+
+
+def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
+    args = ["train", "mnist", *sets(*DETERMINISTIC, "train.epochs=6", "data.synthetic.num_train=2048")]
+    reference = run_cli(*args, "--run-dir", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args, "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 30):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "SIGTERM at step" in err and "--resume auto" in err
+    assert len(err.strip().splitlines()) == 1
+    stopped_at = checkpoint.load(checkpoint.step_checkpoints(run / "checkpoints")[-1])["step"]
+    assert 30 <= stopped_at < 6 * 64
+    again = run_cli(*args, "--run-dir", str(run), "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert _same(_final_weights(tmp_path / "ref"), _final_weights(run))
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6 * 64
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint(tmp_path):
+    cfg = load_config("mnist", SYNTH + ["train.epochs=2"])
+    run = tmp_path / "run"
+    api.train_config(cfg, run)
+    files = checkpoint.step_checkpoints(run / "checkpoints")
+    assert len(files) == 2
+    files[-1].write_bytes(files[-1].read_bytes()[:100])  # a crash mid-write (without our atomic rename)
+    result = run_cli("train", "mnist", *sets(*SYNTH, "train.epochs=2"), "--run-dir", str(run), "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "cannot be read" in result.stderr and "Falling back" in result.stderr
+    assert "resumed from" in result.stdout and files[0].name in result.stdout
+
+
+def test_incompatible_checkpoint_names_the_mismatch(tmp_path):
+    run = tmp_path / "run"
+    api.train_config(load_config("mnist", SYNTH + ["train.epochs=1"]), run)
+    path = checkpoint.step_checkpoints(run / "checkpoints")[-1]
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        api.train_config(load_config("mnist", SYNTH + ["model.name=mnist_cnn"]), tmp_path / "b", resume=str(path))
+    result = run_cli("train", "mnist", *sets(*SYNTH, "model.name=lenet"), "--run-dir", str(tmp_path / "c"), "--resume", str(path))
+    assert result.returncode == 2 and result.stderr.startswith("error: checkpoint") and len(result.stderr.splitlines()) == 1
+
+
+def test_checkpoints_cannot_run_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": Evil()}, path)
+    with pytest.raises(CheckpointError, match=r"cannot be read \(.*[Uu]nsupported (global: )?GLOBAL (posix|os)\.system"):
+        checkpoint.load(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_file_torch_save_did_not_write_is_named(tmp_path):
+    good = tmp_path / "good.pt"
+    checkpoint.save_atomic({"model": {"w": torch.ones(1000)}}, good)
+    cut, other = tmp_path / "cut.pt", tmp_path / "digit.png"
+    cut.write_bytes(good.read_bytes()[:500])
+    other.write_bytes(b"\x89PNG not a checkpoint")
+    for path in (cut, other):
+        with pytest.raises(CheckpointError, match="it is not a file written by torch.save"):
+            checkpoint.load(path)
+    assert checkpoint.load(good)["model"]["w"].sum() == 1000
+
+
+def test_atomic_save_leaves_old_file_on_failure(tmp_path):
+    path = tmp_path / "step-0000001.pt"
+    checkpoint.save_atomic({"model": {"w": torch.ones(2)}}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError):
+        checkpoint.save_atomic({"model": {}, "x": Boom()}, path)
+    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("opt, sched", [("sgd", "step"), ("adagrad", "cosine"), ("adadelta", "constant"),
+                                        ("adam", "warmup_linear"), ("adamw", "onecycle"), ("nesterov", "cosine")])
+def test_optimisers_and_schedules_learn(tmp_path, opt, sched):
+    lr = {"adadelta": 1.0, "adam": 0.002, "adamw": 0.002, "adagrad": 0.02}.get(opt, 0.05)
+    s = api.train_config(load_config("mnist", SYNTH + [f"optim.name={opt}", f"schedule.name={sched}", f"optim.lr={lr}",
+                                                       "schedule.warmup_epochs=0.5", "train.epochs=2",
+                                                       "optim.label_smoothing=0.1", "train.grad_clip=1.0"]), tmp_path)
+    assert s["test_accuracy"] > 0.5
+
+
+def test_grad_accumulation_matches_big_batch(tmp_path):
+    base = SYNTH + ["train.deterministic=true", "train.epochs=1", "optim.weight_decay=0", "optim.name=sgd", "schedule.name=constant"]
+    api.train_config(load_config("mnist", base + ["data.batch_size=64"]), tmp_path / "big")
+    api.train_config(load_config("mnist", base + ["data.batch_size=32", "train.grad_accum=2"]), tmp_path / "acc")
+    a, b = _final_weights(tmp_path / "big"), _final_weights(tmp_path / "acc")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_schedules_shape():
+    from brickyard.optim import Schedule
+    from brickyard.config import ScheduleConfig
+    s = Schedule(ScheduleConfig(name="warmup_linear", lr_init=0.01, warmup_epochs=1, lr_end=0.0), 0.1, 100, 10)
+    assert s(0) == pytest.approx(0.01) and s(10) == pytest.approx(0.1) and s(100) == pytest.approx(0.0)
+    st = Schedule(ScheduleConfig(name="step", step_epochs=2, gamma=0.5), 0.1, 100, 10)
+    assert st(19) == pytest.approx(0.1) and st(20) == pytest.approx(0.05)
+    oc = Schedule(ScheduleConfig(name="onecycle", pct_start=0.25), 0.1, 100, 10)
+    assert oc(25) == pytest.approx(0.1) and oc(0) == pytest.approx(0.004) and oc(100) == pytest.approx(0.0)
+
+
+def test_devices_that_do_not_exist():
+    from brickyard.training.device import resolve_device, resolve_precision
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only machine")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        resolve_device("cuda:3")
+    with pytest.raises(DeviceError, match="not one of auto, cpu"):
+        resolve_device("tpu")
+    with pytest.raises(DeviceError, match="needs a CUDA device"):
+        resolve_precision("fp16", torch.device("cpu"))
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_fit_with_user_model_and_tensors(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(256, 1, 8, 8)
+    y = (x.mean((1, 2, 3)) > 0).long()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    summary = api.fit(model, (x, y), val_data=(x[:64], y[:64]), test_data=(x[:64], y[:64]),
+                      config={"train": {"epochs": 3, "device": "cpu", "progress": "none"}, "data": {"batch_size": 32}},
+                      run_dir=tmp_path / "fit")
+    assert summary["test_accuracy"] > 0.8 and (tmp_path / "fit" / "summary.json").is_file()
+
+
+def test_fit_with_a_dataset(tmp_path):
+    x = torch.randn(128, 1, 4, 4)
+    y = (x.sum((1, 2, 3)) > 0).long()
+    ds = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    summary = api.fit(model, ds, test_data=ds, num_classes=2, run_dir=tmp_path / "ds",
+                      config={"train": {"epochs": 2, "device": "cpu", "progress": "none"},
+                              "data": {"batch_size": 16, "num_workers": 0}})
+    assert summary["steps"] == 16 and summary["test_accuracy"] is not None
