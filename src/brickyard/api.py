@@ -47,7 +47,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     cfg = resolve_config(config, overrides)
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
-    data = from_user(train_data, val_data, test_data, num_classes)
+    data = from_user(train_data, val_data, test_data, num_classes, model)
     run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
@@ -72,8 +72,9 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     if ft.init_from or ft.reset_head or ft.freeze:
         from brickyard.models.finetune import prepare
         from brickyard.distributed import process as dist
-        from brickyard.observe.runlog import Logger
-        prepare(model, ft, cfg.model.num_classes or data.num_classes, Logger(dist.from_env().rank))
+        from brickyard.observe.logs import Logger
+        with Logger(dist.from_env().rank) as log:
+            prepare(model, ft, cfg.model.num_classes or data.num_classes, log)
     return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
 
 

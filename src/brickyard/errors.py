@@ -21,3 +21,15 @@ class CheckpointError(BrickyardError):
 
 class DeviceError(BrickyardError):
     """A device that does not exist or cannot do what the config asks."""
+
+
+class UserCodeError(BrickyardError):
+    """An exception raised in the user's own code (a callback, ``loss_fn``, ``train_step``). The message is
+    one sentence naming where (what the CLI prints); the user's exception is the ``__cause__`` and its
+    traceback, down to the user's line, is this exception's traceback (what Python prints from ``fit``)."""
+
+
+def user_code_error(where: str, err: BaseException) -> UserCodeError:
+    """``raise user_code_error("callback Boom.on_step_end", e) from e`` inside an ``except`` block."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+    return UserCodeError(f"{where} raised {type(err).__name__}: {text}.").with_traceback(err.__traceback__)

@@ -102,8 +102,8 @@ def test_input_bound_advice_fits_the_loader():
     """The in-memory loader has no workers to add: its input-bound line must not suggest them."""
     import time
     from types import SimpleNamespace as NS
-    from brickyard.callbacks.own import ProgressLog
-    from brickyard.training.step import Update
+    from brickyard.callbacks.progress import ProgressLog
+    from brickyard.optim import Update
 
     class Totals:
         count, classify = 0, True
@@ -113,12 +113,13 @@ def test_input_bound_advice_fits_the_loader():
 
     lines = []
     for hint in (None, "try more data.num_workers"):
-        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, totals=Totals(), data_world=1,
-                 update=Update(), epoch=0, step=1, steps_per_epoch=10, total_steps=10, lr=0.1, data_wait=0.0,
-                 train_loss=None, extras={}, log=NS(info=lambda line, console=True: lines.append(line)))
-        log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint)
+        engine = NS(totals=Totals(), data_world=1, update=Update(), data_wait=0.0, train_seconds=0.0, images=0)
+        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, _engine=engine, epoch=0, step=1,
+                 steps_per_epoch=10, total_steps=10, lr=0.1, train_loss=None, train_accuracy=None,
+                 log=NS(info=lambda line, console=True: lines.append(line)))
+        log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint, guard=lambda run: None)
         log.on_epoch_start(run)
-        run.totals.count, run.data_wait = 8, 1.0  # the whole window spent waiting for data
+        engine.totals.count, engine.data_wait = 8, 1.0  # the whole window spent waiting for data
         time.sleep(0.01)
         log._log(run)
     assert "input-bound" not in lines[0] and "num_workers" not in lines[0]

@@ -106,7 +106,7 @@ def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
     path = tmp_path / "resnet18.pth"
     torch.save({f"module.{k}": v for k, v in tv.items()}, path)
     from brickyard.models.finetune import prepare
-    from brickyard.observe.runlog import Logger
+    from brickyard.observe.logs import Logger
     cfg = load_config("mnist", [f"finetune.init_from={path}", "finetune.reset_head=true", "finetune.freeze=[conv1.*, layer1.*]"]).finetune
     model = prepare(create("resnet18_imagenet", 7, 3, (224, 224)), cfg, 7, Logger())
     assert model.fc.out_features == 7 and torch.equal(model.conv1.weight, tv["conv1.weight"])

@@ -36,6 +36,8 @@ from torch import nn
 from brickyard.distributed import process as dist
 from brickyard.training.checkpoint import read, save_atomic
 from brickyard.errors import CheckpointError, ConfigError
+from brickyard.optim.updates import Update
+from brickyard.tools.memory import fmt
 from brickyard.distributed.flat import flat_grads, flatten as flat_params, load_flat as set_flat
 
 _SNAP = re.compile(r"^snap-(\d+)\.pt$")
@@ -260,7 +262,6 @@ def make_trial_loss(model: nn.Module, x, y, n_global: int, loss_sum, autocast, g
 
 
 def p_memory(P_shape) -> str:
-    from brickyard.tools.memory import fmt
     n, m = P_shape
     return f"P is {n} x {m:,} float32 = {fmt(4 * n * m)}"
 
@@ -280,3 +281,25 @@ def resolve_subspace(cfg, run_dir: Path, names: list[str], size: int, log) -> to
         save_pca(pca, out)
     log.info(f"subspace: top {dr.n_components} principal directions of {pca['snapshots']} snapshots in {folder}; saved {out}")
     return pca["P"]
+
+
+class DimReduceUpdate(Update):
+    """Stage 2 of dimension-reduction training as the step's update: P-BFGS in the subspace (``DimReduce``)."""
+
+    def __init__(self, booster: DimReduce, loss_sum, autocast, group=None):
+        self.booster, self.loss_sum, self.autocast, self.group = booster, loss_sum, autocast, group
+
+    def __call__(self, run, loss_sum, batch) -> None:
+        x, y, n_global = batch
+        # the method needs the loss on the host every step: one scalar all-reduce
+        loss0 = float(dist.all_reduce_sum(loss_sum.detach().double().reshape(1), self.group)) / n_global
+        self.booster.step(loss0, make_trial_loss(run.model, x, y, n_global, self.loss_sum, self.autocast, self.group))
+
+    def describe(self) -> str:
+        return f", subspace steps that passed the Armijo test {self.booster.accepted}/{self.booster.steps}"
+
+    def state_dict(self) -> dict | None:
+        return self.booster.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.booster.load_state_dict(state)

@@ -117,13 +117,14 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
                       [bundle.classes[c] for c in keep] if bundle.classes else [])
 
 
-def from_user(train, val=None, test=None, num_classes: int | None = None) -> DataBundle:
+def from_user(train, val=None, test=None, num_classes: int | None = None, model=None) -> DataBundle:
     """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or a Dataset of pairs.
 
     Inputs may be N x anything: images (N x C x H x W; N x H x W tensors are taken as one-channel
     images), points, signals (as a Dataset when they are 3-D).
-    Integer labels are classes (``num_classes`` from the largest label unless given); float labels
-    are regression targets."""
+    Integer labels are classes: ``num_classes`` is the largest label + 1 for tensors and, for a Dataset
+    (whose labels are not all read up front), the width of ``model``'s output on the first sample, as
+    Keras and Lightning need nothing either; float labels are regression targets."""
     splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
     first = splits[0]
     if first.images is not None:
@@ -138,11 +139,31 @@ def from_user(train, val=None, test=None, num_classes: int | None = None) -> Dat
         if not classify:
             num_classes = 0
         elif first.labels is None:
-            raise DataError("pass num_classes to fit() when train_data is a Dataset of class labels.")
+            num_classes = _output_width(model, sample)
         else:
             num_classes = int(first.labels.max()) + 1
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
     return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape)
+
+
+def _output_width(model, sample: torch.Tensor) -> int:
+    """Classes from the model: its output width for one sample (eval mode, no gradient, then put back)."""
+    if model is None:
+        raise DataError("pass num_classes (or the model) when train_data is a Dataset of class labels.")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(sample.unsqueeze(0).float())
+    except Exception as e:  # noqa: BLE001  the model's own error on its input, in one sentence
+        raise DataError(f"train_data: the model could not take the first sample {tuple(sample.shape)} to tell the "
+                        f"number of classes ({type(e).__name__}: {str(e).strip()[:150]}); pass num_classes to fit().") from e
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise DataError(f"train_data: a Dataset of class labels needs class logits (N x C) from the model, which gave "
+                        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}; pass num_classes to fit().")
+    return out.shape[1]
 
 
 def _user_split(data, name: str) -> Split | None:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as tdist
 
 from brickyard.errors import ConfigError
+from brickyard.optim import build_optimizer, set_lr
+from brickyard.optim.updates import Update
 from brickyard.distributed.flat import flat_grads, flatten as _flat, load_flat
 
 _HEADER, _GRAD, _PARAM = 11, 12, 13
@@ -117,7 +119,6 @@ class Client:
 
 def serve(params: list[torch.Tensor], layout: Layout, rank: int, cfg, total_steps: int, schedule, log, group=None) -> dict:
     """The server side: hold chunk ``rank - T``, apply pushes until the trainers are done."""
-    from brickyard.optim import build_optimizer, set_lr
     index = rank - layout.trainers
     bounds = _bounds(sum(p.numel() for p in params), layout.servers)
     a, b = bounds[index]
@@ -192,3 +193,17 @@ def _serve_async(chunk, optimizer, layout, max_staleness, set_lr, group) -> dict
         else:
             held[src] = (lr, grad)
     return {"updates": updates, "max_gap": max_gap}
+
+
+class ParameterServerUpdate(Update):
+    """The step's update in parameter-server mode: push this trainer's gradient to the servers and pull
+    the new parameters (``Client``)."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def __call__(self, run, loss_sum, batch) -> None:
+        self.client.step(run.lr, run.step)
+
+    def finish(self) -> None:
+        self.client.finish()

@@ -1,7 +1,6 @@
-"""Run directories, the rank-aware logger and the metrics file.
+"""Run directories and what is written into them: the metrics file, ``env.json``, ``summary.json``
+(the log files are ``brickyard.observe.logs``).
 
-- ``Logger``: every line carries ``[rank N]``; each rank writes its own ``logs/workerlog.N``; rank 0
-  also writes ``train.log`` and, by default, the console. Other ranks never print.
 - ``MetricsWriter``: rank 0 appends one JSON object per line to ``metrics.jsonl`` and flushes, so
   a crash loses at most the line being written.
 """
@@ -38,44 +37,6 @@ def refuse_reuse(run_dir: Path) -> None:
     if (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step-*.pt")):
         raise BrickyardError(f"run directory {run_dir} already holds a run; continue it with --resume auto, "
                              f"or pick another --run-dir.")
-
-
-class Logger:
-    def __init__(self, rank: int = 0, files: tuple[Path, ...] = (), console: bool = True):
-        self.rank = rank
-        self.console = console and rank == 0
-        self.streams = []
-        for f in files:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            self.streams.append(open(f, "a", buffering=1))
-
-    def _line(self, level: str, msg: str) -> str:
-        stamp = datetime.datetime.now().strftime("%H:%M:%S")
-        tag = "" if level == "info" else f"{level.upper()}: "
-        return f"{stamp} [rank {self.rank}] {tag}{msg}"
-
-    def info(self, msg: str, console: bool = True) -> None:
-        self._emit("info", msg, console)
-
-    def warning(self, msg: str) -> None:
-        self._emit("warning", msg, True)
-
-    def error(self, msg: str) -> None:
-        """Into the log files only: the CLI prints the error once, on rank 0."""
-        self._emit("error", msg, False)
-
-    def _emit(self, level: str, msg: str, console: bool) -> None:
-        line = self._line(level, msg)
-        for s in self.streams:
-            s.write(line + "\n")
-        if self.console and console:
-            out = sys.stderr if level != "info" else sys.stdout
-            print(msg if level == "info" else f"warning: {msg}", file=out, flush=True)
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.close()
-        self.streams = []
 
 
 class MetricsWriter:

@@ -11,6 +11,7 @@ from brickyard.data import Split
 from brickyard.data.loaders import eval_batches
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
+from brickyard.observe.plots import plot_runs
 from brickyard.observe.runlog import write_json
 
 
@@ -42,24 +43,25 @@ def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
     """``evaluate`` with the run's model (its evaluation weights: EMA's average when on), data and ranks."""
     c = run.config
     with run.eval_weights():
-        return evaluate(run.forward, split, run.prep, run.device, run.precision, c.data.eval_batch_size,
-                        run.data.num_classes, run.data_world, run.rank, run.group, keep_errors,
-                        c.data.num_workers, run.loss_sum)
+        e = run._engine
+        return evaluate(run.forward, split, e.prep, run.device, run.precision, c.data.eval_batch_size,
+                        run.data.num_classes, e.data_world, run.rank, e.group, keep_errors,
+                        c.data.num_workers, e.loss_sum)
 
 
 def _fmt(r: dict, *keys) -> str:
     return " ".join(f"{k} {r[k]:.4f}" for k in keys if r.get(k) is not None)
 
 
-def finish(run, progress, wall_start: float) -> dict:
+def finish(run, metrics, tb, wall_start: float) -> dict:
     """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary."""
-    cfg, data = run.config, run.data
+    cfg, data, e = run.config, run.data, run._engine
     summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
                "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
-               "not_learning": run.extras.get("not_learning")}
-    if "dim_reduce" in run.extras:
-        summary["dim_reduce"] = run.extras["dim_reduce"]
-    last_val = run.extras.get("last_val")
+               "not_learning": e.not_learning}
+    if e.dim_reduce is not None:
+        summary["dim_reduce"] = e.dim_reduce
+    last_val = run.metrics if run.validated_at is not None else None
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
     if data.test is not None:
@@ -67,22 +69,22 @@ def finish(run, progress, wall_start: float) -> dict:
         r = evaluate_split(run, data.test, keep)
         run.metrics = {k: v for k, v in r.items() if k != "errors"}
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
-        progress.metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
+        metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
             "loss", "accuracy", "top5", "per_class_accuracy", "confusion") if k in r})
-        progress.tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
+        tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
         run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip())
         if run.is_main and "errors" in r:
             wrong_images, true, pred = r["errors"]
             torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
                         "mean": list(data.mean), "std": list(data.std)}, run.run_dir / "test_errors.pt")
     summary.update(
-        train_seconds=round(progress.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
-        images_per_second=round(progress.images / max(progress.train_seconds, 1e-9), 1), device=str(run.device),
-        world_size=run.world_size, mode=cfg.dist.mode, trainers=run.data_world, precision=run.precision,
-        channels_last=run.extras.get("channels_last"), model=run.extras.get("model_name"), data=data.name,
-        epoch_seconds=run.extras.get("epoch_seconds", []), run_dir=str(run.run_dir),
+        train_seconds=round(e.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
+        images_per_second=round(e.images / max(e.train_seconds, 1e-9), 1), device=str(run.device),
+        world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
+        channels_last=e.channels_last, model=e.meta.get("name"), data=data.name,
+        epoch_seconds=e.epoch_seconds, run_dir=str(run.run_dir),
     )
-    progress.tb.close()
+    tb.close()
     if run.is_main:
         write_json(run.run_dir / "summary.json", summary)
         if cfg.train.plots:  # after summary.json is safely written; their time is added to it
@@ -92,7 +94,6 @@ def finish(run, progress, wall_start: float) -> dict:
 
 
 def _plots(run) -> float:
-    from brickyard.observe.plots import plot_runs
     start = time.perf_counter()
     try:
         plot_runs([run.run_dir])

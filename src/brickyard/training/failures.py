@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from brickyard.distributed.process import is_comm_failure
 from brickyard.errors import BrickyardError
 
 
@@ -64,11 +65,6 @@ def determinism_error(e: BaseException, device: torch.device) -> str | None:
         return (f"train.deterministic on {device} needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the "
                 f"process starts (`brickyard train` sets it; set it yourself when calling brickyard from Python).")
     return None
-
-
-def is_comm_failure(e: BaseException) -> bool:
-    text = str(e).lower()
-    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))
 
 
 def rng_state(device: torch.device) -> dict:

@@ -3,7 +3,8 @@
 ``train(cfg, model, data, run_dir)`` does everything a run needs: device and precision, the
 process group, loaders, the optimiser, checkpoints and resume, evaluation and the summary. The
 loop itself (``_loop``) is one screen: every behaviour is a callback (``brickyard.callbacks.own``,
-``brickyard.callbacks``) and the step is ``brickyard.training.step.train_step``.
+``brickyard.callbacks``) and the step is ``brickyard.training.step.optimizer_step`` around the
+user's (or brickyard's) ``train_step``.
 
 Position in training is one integer, the optimiser ``step``: epoch = step // steps_per_epoch and
 the batch inside the epoch follow from it, the learning rate is a pure function of it, and the
@@ -19,28 +20,29 @@ import contextlib
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from brickyard.callbacks import own as bh
-from brickyard.training import checkpoint as ckpt
-from brickyard.training import device as dev
-from brickyard.training import setup as assemble
-from brickyard.distributed import process as dist
-from brickyard.training import failures
-from brickyard.distributed import parameter_server as ps
 from brickyard.callbacks import from_config
 from brickyard.config import Config, save_config
 from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
+from brickyard.distributed import parameter_server as ps
+from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, CheckpointError
-from brickyard.training.evaluation import evaluate, evaluate_split, finish
-from brickyard.observe.runlog import Logger, MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
-from brickyard.training.run import Run
+from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
+from brickyard.observe.logs import Logger
 from brickyard.observe.tensorboard import TBWriter
+from brickyard.training import checkpoint as ckpt
+from brickyard.training import device as dev
+from brickyard.training import failures, setup
+from brickyard.training.evaluation import evaluate, evaluate_split, finish
+from brickyard.training.run import Run
+from brickyard.training.step import optimizer_step
 
 __all__ = ["train", "evaluate", "Interrupted"]
 
@@ -51,19 +53,19 @@ class Interrupted(BrickyardError):
 
 def _loop(run: Run, cbs) -> None:
     """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks."""
-    accum = run.config.train.grad_accum
+    accum, e = run.config.train.grad_accum, run._engine
     cbs.on_train_start(run)
     while run.step < run.total_steps and run.stopped is None:
         run.epoch, pos = divmod(run.step, run.steps_per_epoch)
         cbs.on_epoch_start(run)
-        batches = run.loader.epoch(run.epoch, pos * accum)
+        batches = e.loader.epoch(run.epoch, pos * accum)
         for _ in range(pos, run.steps_per_epoch):
             cbs.on_step_start(run)
-            loss = run.train_step(run, batches)
+            loss = optimizer_step(run, batches)
             run.step += 1
             cbs.on_step_end(run, loss)
-            if run.vote.should_stop(run.step, run.stop_request):
-                run.stopped = run.vote.cause
+            if e.vote.should_stop(run.step, e.stop_request):
+                run.stopped = e.vote.cause
             if run.stopped or run.step >= run.total_steps:
                 break
         if run.interrupted:
@@ -87,43 +89,43 @@ def _validation_due(run: Run) -> bool:
 def _validate(run: Run, cbs) -> None:
     cbs.on_validation_start(run)
     r = evaluate_split(run, run.data.val)
-    run.metrics = r
-    run.extras.update(last_val=r, validated_at=run.step)
+    run.metrics, run.validated_at = r, run.step
     cbs.on_validation_end(run, r)
 
 
 def _agree_on_stop(run: Run) -> None:
     """At an epoch end every rank is at the same step: one all-reduce of the callbacks' stop requests (a
     decision on the shared validation metrics, or a time limit reached on one rank only). A signal is
-    agreed through ``run.vote`` instead, so that every rank names it."""
-    request = run.stop_request if run.stop_request and not run.stop_request.startswith("SIG") else None
+    agreed through the engine's vote instead, so that every rank names it."""
+    e = run._engine
+    request = e.stop_request if e.stop_request and not e.stop_request.startswith("SIG") else None
     if run.stopped is not None:
         return
-    if run.data_world > 1:
+    if e.data_world > 1:
         flag = torch.tensor([float(request is not None)], device=run.device)
-        if dist.all_reduce_sum(flag, run.group).item() > 0:
+        if dist.all_reduce_sum(flag, e.group).item() > 0:
             run.stopped = request or "a stop asked for on another rank"
     elif request is not None:
         run.stopped = request
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM become a stop request (``run.stop_request = "SIGTERM"``); a second Ctrl-C leaves at once."""
+    """SIGINT/SIGTERM become a stop request (``"SIGTERM"``); a second Ctrl-C leaves at once."""
 
     def __init__(self, run: Run):
         self.run, self._old = run, {}
 
     def __enter__(self):
-        import threading
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.run.stop_request is not None and self.run.stop_request.startswith("SIG"):
+        e = self.run._engine
+        if e.stop_request is not None and e.stop_request.startswith("SIG"):
             raise KeyboardInterrupt
-        self.run.stop_request = signal.Signals(signum).name  # a signal outranks a callback's request
+        e.stop_request = signal.Signals(signum).name  # a signal outranks a callback's request
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -201,35 +203,35 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
         raise BrickyardError(ps.NO_RESUME)
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
-        cfg = assemble.resolve_auto_batch(cfg, model, data, host.device, info, log)
-    run = assemble.build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step)
-    if run.update is None:  # a parameter server: it serves until the trainers are done
+        cfg = setup.resolve_auto_batch(cfg, model, data, host.device, info, log)
+    run = setup.build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step)
+    e = run._engine
+    if e.update is None:  # a parameter server: it serves until the trainers are done
         return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
-    progress = bh.ProgressLog(run, metrics, tb, None if run.data.in_memory else "try more data.num_workers")
-    cbs = assemble.callbacks_for(run, progress, metrics, tb, from_config(cfg) + user_callbacks, _checkpoint_state)
+    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + user_callbacks, _checkpoint_state)
     _restore(run, cbs, resume)
-    assemble.wrap(run)
+    setup.wrap(run)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
         write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
-            "precision": run.precision, "channels_last": run.extras["channels_last"], "threads": host.threads,
-            "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": run.grad_sync.name,
+            "precision": run.precision, "channels_last": e.channels_last, "threads": host.threads,
+            "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": e.grad_sync.name,
             "allocator": host.allocator, "model": meta, "restart_count": info.restart_count}))
-    assemble.announce(run, host, info)
+    setup.announce(run, host, info)
     metrics.write(kind="start", step=run.step, world_size=info.world_size, total_steps=run.total_steps)
     run.model.train()
     with _StopFlag(run):
         _loop(run, cbs)
-    run.loader.close()  # the streaming loader's persistent workers
-    run.update.finish()
+    e.loader.close()  # the streaming loader's persistent workers
+    e.update.finish()
     if run.interrupted:
         where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
         restarting = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0  # e.g. a node joined an elastic job
         then = " (a group torchrun restarts resumes there by itself)" if restarting else ""
         raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
                           f"`brickyard train --run-dir {run_dir} --resume auto`{then}.")
-    summary = finish(run, progress, wall_start)
+    summary = finish(run, metrics, tb, wall_start)
     cbs.on_train_end(run, summary)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
@@ -237,13 +239,13 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
 
 
 def _checkpoint_state(run: Run) -> dict:
-    data, meta = run.data, run.extras["meta"]
-    manager = run.extras.get("manager")
+    data, e = run.data, run._engine
+    meta, manager = e.meta, e.checkpoints
     return {
-        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": e.scaler.state_dict(),
         "rng": failures.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
         "best_metric": manager.best_metric if manager else None, "config": run.config.to_dict(),
-        "boost": run.update.state_dict(), "callbacks": run.callbacks.state_dict(),
+        "boost": e.update.state_dict(), "callbacks": e.callbacks.state_dict(),
         "meta": {**meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
                  "image_size": list(data.image_size), "in_channels": data.in_channels,
                  "num_classes": data.num_classes, "data": data.name},
@@ -264,15 +266,16 @@ def _restore(run: Run, cbs, resume: str | None) -> None:
         run.optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
+    e = run._engine
     if state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
+        e.scaler.load_state_dict(state["scaler"])
     if state.get("boost"):
-        run.update.load_state_dict(state["boost"])
+        e.update.load_state_dict(state["boost"])
     cbs.load_state_dict(state.get("callbacks") or {})
     failures.set_rng_state(state["rng"], run.device)
     run.step = int(state["step"])
-    if run.extras.get("manager") is not None:
-        run.extras["manager"].best_metric = state.get("best_metric")
+    if e.checkpoints is not None:
+        e.checkpoints.best_metric = state.get("best_metric")
     run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
 
 

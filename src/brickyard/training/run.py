@@ -1,14 +1,17 @@
-"""``Run``: what a callback, the step and the loop see of one process's run.
+"""``Run``: what a callback and a training step see of one process's run; ``Engine``: the parts the
+loop is built from.
 
-The attributes above the line in ``Run`` are the public contract (documented in the README and
-kept stable); those below are the parts the loop is built from, open to read, free to change.
+``Run``'s fields are the public contract (documented in ``docs/extending.md`` and kept stable). The
+engine (``run._engine``) is brickyard's own: open to read, free to change between versions; what one
+of brickyard's behaviours hands to another is a typed field there, never an untyped dict.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -17,55 +20,104 @@ from brickyard.errors import BrickyardError
 
 
 @dataclass(eq=False)
+class Engine:
+    """brickyard's parts of a run: set up by ``training.setup``, used by the loop, the step and brickyard's
+    own callbacks. Not a user contract."""
+    data_world: int = 1               # processes that read data (trainers in parameter-server mode)
+    group: Any = None                 # their process group (None: all ranks)
+    info: Any = None                  # this process's place in the job (``distributed.process.DistInfo``)
+    host: Any = None                  # device, threads and pinning (``training.device.Host``)
+    meta: dict = field(default_factory=dict)  # the model's name and registry flag, saved in checkpoints
+    channels_last: bool = False
+    peak_lr: float = 0.0
+    groups: list = field(default_factory=list)  # the optimiser's parameter groups as built
+    prep: Any = None                  # raw batch -> device tensor (normalise, augment, layout)
+    loss_sum: Callable | None = None  # (outputs, targets) -> summed loss, a 0-dim float tensor
+    scaler: Any = None                # torch.amp.GradScaler (a no-op unless fp16)
+    schedule: Any = None              # step -> learning rate
+    update: Any = None                # the update strategy (``training.updates.Update``)
+    step_fn: Callable | None = None   # the user's ``train_step(run, batch)``, or brickyard's
+    grad_sync: Any = None             # how the ranks' gradients meet (``distributed.gradsync.GradSync``)
+    loader: Any = None
+    vote: Any = None                  # the ranks' agreement on a stop step (``distributed.process.StopVote``)
+    totals: Any = None                # training loss and accuracy sums on the device (``training.step.Totals``)
+    callbacks: Any = None             # ``callbacks.base.CallbackList``
+    checkpoints: Any = None           # ``training.checkpoint.CheckpointManager`` (rank 0) or None
+    stop_request: str | None = None   # a reason, until the ranks agree on it
+    data_wait: float = 0.0            # seconds waiting for batches in the current log window
+    batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch: the NaN guard, P-BFGS
+    check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
+    backward_done: bool = False       # the step called ``run.backward`` itself
+    batch_weight: float = 1.0         # local batch / global batch x ranks / accumulation: mean loss -> gradient weight
+    # what brickyard's behaviours report into the summary
+    train_seconds: float = 0.0        # training time, evaluation excluded (``ProgressLog``)
+    images: int = 0                   # images trained on in that time, all ranks
+    epoch_seconds: list = field(default_factory=list)
+    not_learning: str | None = None   # ``NotLearning``'s warning
+    dim_reduce: dict | None = None    # stage 2's totals (``boost.callbacks.Stage2Log``)
+
+
+@dataclass(eq=False)
 class Run:
-    config: Any                       # the resolved, frozen Config
+    """One process's run, as a callback or a ``train_step`` sees it. Every field is documented and kept
+    stable; brickyard's own parts live in ``_engine``."""
+    config: Any                       # the resolved, frozen ``Config``
     model: nn.Module                  # the model being trained (never the DDP wrapper)
-    optimizer: Any                    # brickyard.optim.Optimizer (or a torch.optim one): param_groups, step, state_dict
+    optimizer: torch.optim.Optimizer
+    data: Any                         # ``brickyard.data.DataBundle``: train/val/test splits, classes, num_classes
     rank: int
     world_size: int
     device: torch.device
-    precision: str
+    precision: str                    # fp32, bf16 or fp16
     run_dir: Path
-    log: Any                          # the rank-aware Logger: run.log.info("...")
+    log: logging.LoggerAdapter        # rank-aware: ``run.log.info("...")`` ("brickyard.run" logger)
     steps_per_epoch: int
     total_steps: int
+    forward: nn.Module | None = None  # the model as trained (DDP-wrapped, compiled): call this in a step
     step: int = 0                     # optimiser steps taken
     epoch: int = 0                    # the epoch being trained (step // steps_per_epoch)
     lr: float = 0.0                   # the learning rate of the latest step
     train_loss: float | None = None   # the training loss of the latest log window
+    train_accuracy: float | None = None  # its accuracy (class logits only)
     metrics: dict = field(default_factory=dict)   # the latest evaluation: loss, accuracy, top5, ...
+    validated_at: int | None = None   # the step of the latest validation (``metrics``)
     last_checkpoint: Path | None = None
-    eval_weights: Callable = contextlib.nullcontext  # EMA swaps its averaged weights in here
-    # ---- the parts the loop is built from ----------------------------------------------------
-    forward: nn.Module | None = None  # the model as trained (DDP-wrapped, compiled)
-    grad_sync: Any = None             # how the ranks' gradients meet (``gradsync.GradSync``): skip(), (), zero_grad()
-    data: Any = None
-    data_world: int = 1               # processes that read data (trainers in parameter-server mode)
-    group: Any = None                 # their process group (None: all ranks)
-    prep: Any = None                  # raw batch -> device tensor (normalise, augment, layout)
-    loss_sum: Callable | None = None  # (outputs, targets) -> summed loss, a 0-dim float tensor
-    scaler: Any = None
-    schedule: Any = None
-    update: Any = None                # the update strategy: optimiser, parameter server or P-BFGS
-    train_step: Callable | None = None
-    loader: Any = None
-    vote: Any = None                  # the ranks' agreement on a stop step (``dist.StopVote``)
-    totals: Any = None
-    callbacks: Any = None
-    stop_request: str | None = None   # a reason, until the ranks agree on it
-    stopped: str | None = None        # the agreed cause once the loop is ending
-    data_wait: float = 0.0            # seconds waiting for batches in the current log window
-    batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch
-    check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
-    extras: dict = field(default_factory=dict)
+    stopped: str | None = None        # the agreed cause once the loop is ending (``stop``, a signal)
+    _engine: Engine = field(default_factory=Engine, repr=False)
+    _eval_weights: Callable[[], ContextManager] | None = field(default=None, repr=False)
 
     def stop(self, reason: str = "a callback") -> None:
         """End training after this step on every rank, with a checkpoint, the test evaluation and the summary."""
         if self.config.dist.mode == "ps" and self.config.dist.ps.sync:
             raise BrickyardError(f"{reason} asked to stop early, but a synchronous parameter-server run cannot stop "
                                  f"before its last step yet; use dist.mode: collective.")
-        if self.stop_request is None:
-            self.stop_request = reason
+        if self._engine.stop_request is None:
+            self._engine.stop_request = reason
+
+    def compute_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The run's loss (``loss_fn``, else cross-entropy with ``optim.label_smoothing``): the mean over the batch."""
+        return self._engine.loss_sum(outputs, targets) / len(targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the loss scaler, for a step that calls it itself (several losses, several
+        backward passes). ``loss`` is the mean over this process's batch; brickyard weighs it so that the
+        gradient is the exact mean over the global batch and the accumulation steps. A step that does
+        not call it returns its loss and brickyard calls it."""
+        e = self._engine
+        e.backward_done = True
+        e.scaler.scale(loss * e.batch_weight).backward()
+
+    def use_eval_weights(self, swap: Callable[[], ContextManager] | None) -> None:
+        """Evaluate (validation, test, ``best.pt``) inside ``swap()``, e.g. EMA's averaged weights; None: the raw weights."""
+        self._eval_weights = swap
+
+    def eval_weights(self) -> ContextManager:
+        """The weights evaluations use, swapped in for the ``with`` block."""
+        return self._eval_weights() if self._eval_weights is not None else contextlib.nullcontext()
+
+    @property
+    def swaps_eval_weights(self) -> bool:
+        return self._eval_weights is not None
 
     @property
     def is_main(self) -> bool:

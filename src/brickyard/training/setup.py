@@ -13,20 +13,29 @@ import os
 import torch
 from torch import nn
 
-from brickyard.callbacks import own as bh
-from brickyard.training import checkpoint as ckpt
-from brickyard.training import device as dev
-from brickyard.distributed import process as dist
-from brickyard.distributed import gradsync
-from brickyard.distributed import parameter_server as ps
-from brickyard.training import step as steps
+from brickyard.boost import dim_reduce as boost
+from brickyard.boost.callbacks import Snapshotting, Stage2Log
 from brickyard.callbacks import CallbackList
+from brickyard.callbacks.checkpointing import Checkpointing
+from brickyard.callbacks.not_learning import NotLearning
+from brickyard.callbacks.progress import ProgressLog
+from brickyard.callbacks.test_every import TestEvery
+from brickyard.callbacks.watching import Histograms, Watching
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
+from brickyard.distributed import gradsync
+from brickyard.distributed import parameter_server as ps
+from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError
 from brickyard.models.finetune import find_head
-from brickyard.optim import Schedule, build_optimizer, describe_groups, param_groups
-from brickyard.training.run import Run
+from brickyard.observe.inspection import Watcher
+from brickyard.optim import OptimizerUpdate, Schedule, build_optimizer, describe_groups, param_groups
+from brickyard.tools import memory
+from brickyard.training import checkpoint as ckpt
+from brickyard.training import device as dev
+from brickyard.training.evaluation import evaluate_split
+from brickyard.training.run import Engine, Run
+from brickyard.training.step import Totals, default_step, guard, make_loss_sum
 
 
 def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step) -> Run:
@@ -59,21 +68,20 @@ def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_st
     if t.max_steps:
         total = min(total, t.max_steps) if t.epochs else t.max_steps
     peak, schedule = _schedule(cfg, data_world, total, per_epoch)
-    run = Run(cfg, model, build_optimizer(cfg.optim, groups), info.rank, info.world_size, device, host.precision,
-              run_dir, log, per_epoch, total, data=data, data_world=data_world, group=group, schedule=schedule,
-              loss_sum=steps.make_loss_sum(loss_fn, cfg.optim.label_smoothing), train_step=user_step or steps.train_step,
-              scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"), totals=steps.Totals(device, group),
-              check_each_step=t.nan_guard and device.type == "cpu")
-    run.extras.update(channels_last=channels_last, model_name=meta.get("name"), meta=meta, peak=peak, groups=groups, info=info,
-                      host=host)
+    engine = Engine(data_world=data_world, group=group, info=info, host=host, meta=meta, channels_last=channels_last,
+                    peak_lr=peak, groups=groups, schedule=schedule, loss_sum=make_loss_sum(loss_fn, cfg.optim.label_smoothing),
+                    step_fn=user_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
+                    totals=Totals(device, group), check_each_step=t.nan_guard and device.type == "cpu")
+    run = Run(cfg, model, build_optimizer(cfg.optim, groups), data, info.rank, info.world_size, device, host.precision,
+              run_dir, log, per_epoch, total, _engine=engine)
     if layout is not None and layout.is_server(info.rank):
         ps.serve([p.detach() for g in groups for p in g["params"]], layout, info.rank, cfg, total, schedule, log, ps_group)
         dist.barrier()
-        return run  # run.update stays None: this process served and is done
-    run.update = _update_strategy(run, layout, groups, ps_group)
-    run.loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed, t.grad_accum)
+        return run  # its update stays None: this process served and is done
+    engine.update = _update_strategy(run, layout, groups, ps_group)
+    engine.loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed, t.grad_accum)
     _check_image_features(cfg, data)
-    run.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
+    engine.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
     return run
 
 
@@ -87,17 +95,18 @@ def _schedule(cfg, data_world: int, total: int, per_epoch: int):
 
 
 def _update_strategy(run: Run, layout, groups, ps_group):
-    from brickyard.boost import dim_reduce as boost
-    cfg = run.config
+    """The optimiser, the parameter server (``dist.mode: ps``) or P-BFGS (``boost.dim_reduce``), behind one interface."""
+    cfg, e = run.config, run._engine
     if layout is not None:
         params = [p for g in groups for p in g["params"]]
-        return steps.ParameterServerUpdate(ps.Client(params, layout, cfg.dist.ps.sync, ps_group))
+        return ps.ParameterServerUpdate(ps.Client(params, layout, cfg.dist.ps.sync, ps_group))
     if cfg.boost.dim_reduce.enabled:
         named = _trainable(run.model)
         P = boost.resolve_subspace(cfg, run.run_dir, [n for n, _ in named], sum(p.numel() for _, p in named), run.log)
         run.log.info(f"dimension-reduction stage 2: {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
-        return steps.DimReduceUpdate(boost.DimReduce([p for _, p in named], P, cfg.boost.dim_reduce))
-    return steps.OptimizerUpdate()
+        return boost.DimReduceUpdate(boost.DimReduce([p for _, p in named], P, cfg.boost.dim_reduce), e.loss_sum,
+                                     lambda: dev.autocast(run.device, run.precision), e.group)
+    return OptimizerUpdate(e.scaler)
 
 
 def _trainable(model) -> list:
@@ -113,56 +122,56 @@ def _check_image_features(cfg, data) -> None:
         raise BrickyardError(f"data.augment: {cfg.data.augment!r} works on images (N x C x H x W); these inputs are N x {shape}.")
 
 
-def callbacks_for(run: Run, progress, metrics, tb, extra, checkpoint_state) -> CallbackList:
-    """brickyard's behaviours, then the config's built-ins and the user's callbacks, in one list."""
-    from brickyard.boost import dim_reduce as boost
-    from brickyard.observe.inspection import Watcher
-    t, c = run.config.train, run.config.checkpoint
-    manager = ckpt.CheckpointManager(run.run_dir / "checkpoints", c.keep_last, c.keep_best) if run.is_main else None
-    own = [progress, bh.NotLearning(stop=t.stop_if_not_learning),
-           bh.Checkpointing(manager, c.every_steps, c.every_epoch, checkpoint_state)]
+def callbacks_for(run: Run, metrics, tb, extra, checkpoint_state) -> CallbackList:
+    """brickyard's behaviours, then the config's built-ins and the user's callbacks, in one list. The
+    order is part of the contract: ``ProgressLog`` sets ``run.train_loss`` before ``NotLearning`` reads
+    it, and checkpoints are written before a user's ``on_epoch_end`` sees ``run.last_checkpoint``."""
+    t, c, e = run.config.train, run.config.checkpoint, run._engine
+    e.checkpoints = ckpt.CheckpointManager(run.run_dir / "checkpoints", c.keep_last, c.keep_best) if run.is_main else None
+    hint = None if run.data.in_memory else "try more data.num_workers"
+    own = [ProgressLog(run, metrics, tb, hint, guard), NotLearning(stop=t.stop_if_not_learning),
+           Checkpointing(e.checkpoints, c.every_steps, c.every_epoch, checkpoint_state, guard)]
     if t.watch:
-        own.append(bh.Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
+        own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
     if t.test_every:
-        own.append(bh.TestEvery(t.test_every, progress))
+        own.append(TestEvery(t.test_every, metrics, tb, evaluate_split))
     if t.histograms_every:
-        own.append(bh.Histograms(t.histograms_every, tb))
+        own.append(Histograms(t.histograms_every, tb))
     b = run.config.boost
     if b.snapshots.enabled:
         named = _trainable(run.model)
         snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), b.snapshots.keep, [n for n, _ in named]) \
             if run.is_main else None
-        own.append(bh.Snapshotting(snaps, b.snapshots, b.dim_reduce.n_components, [p for _, p in named]))
-    if isinstance(run.update, steps.DimReduceUpdate):
-        own.append(bh.Stage2Log(run.update.booster.stats, metrics))
-    run.callbacks = CallbackList(own + list(extra))
-    run.extras["manager"] = manager
-    return run.callbacks
+        own.append(Snapshotting(snaps, b.snapshots, b.dim_reduce.n_components, [p for _, p in named]))
+    if isinstance(e.update, boost.DimReduceUpdate):
+        own.append(Stage2Log(e.update.booster.stats, metrics))
+    e.callbacks = CallbackList(own + list(extra))
+    return e.callbacks
 
 
 def wrap(run: Run) -> None:
     """The gradient sync of collective runs of several processes (DDP or one flat all-reduce), then
     ``torch.compile`` when asked."""
-    model, run.grad_sync = run.model, gradsync.GradSync()
-    if run.world_size > 1 and not isinstance(run.update, steps.ParameterServerUpdate):  # the servers sync the rest
-        model, run.grad_sync = grad_sync(run.config.dist, run.model, run.device, run.train_step is steps.train_step, run.group,
-                                         run.extras["host"].own_cores)
+    e = run._engine
+    model, e.grad_sync = run.model, gradsync.GradSync()
+    if run.world_size > 1 and not isinstance(e.update, ps.ParameterServerUpdate):  # the servers sync the rest
+        model, e.grad_sync = grad_sync(run.config.dist, run.model, run.device, e.group, e.host.own_cores)
     run.forward = torch.compile(model) if run.config.train.compile else model
-    run.vote = dist.StopVote(run.extras["info"])
+    e.vote = dist.StopVote(e.info)
 
 
-def grad_sync(d, model: nn.Module, device: torch.device, own_step: bool = True, group=None, own_cores: bool = True):
+def grad_sync(d, model: nn.Module, device: torch.device, group=None, own_cores: bool = True):
     """(the model to call, its ``gradsync.GradSync``) for ``dist.grad_sync`` (``d`` is the config's ``dist``).
-    ``auto`` takes flat for brickyard's own step on CPUs (measured faster there: no idle core to overlap
-    with) and DDP on GPUs, with SyncBatchNorm, for a user's own train_step (written for DDP) and for
-    parameters of several dtypes."""
+    ``auto`` takes flat on CPUs (measured faster there: no idle core to overlap with; a user's step is
+    synced by brickyard after its backward too) and DDP on GPUs, with SyncBatchNorm, and for parameters
+    of several dtypes."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     fits = bool(trainable) and len({(p.dtype, p.device) for p in trainable}) == 1
     if d.grad_sync == "flat" and not fits:  # sync_bn is refused with the config
         raise BrickyardError("dist.grad_sync: flat needs trainable parameters of one dtype on one device; use dist.grad_sync: ddp.")
     how = d.grad_sync
     if how == "auto":
-        how = "flat" if device.type == "cpu" and own_step and fits and not d.sync_bn else "ddp"
+        how = "flat" if device.type == "cpu" and fits and not d.sync_bn else "ddp"
     if how == "flat":
         return model, gradsync.FlatGrads(model, group, spin=own_cores)
     ddp = nn.parallel.DistributedDataParallel(model, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
@@ -174,30 +183,29 @@ def announce(run: Run, host: dev.Host, info) -> None:
     cfg, data, log = run.config, run.data, run.log
     n_params = sum(p.numel() for p in run.model.parameters())
     pinned = f" on CPU {','.join(map(str, host.pinned))}" if host.pinned else ""
-    log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run.extras['channels_last']}, "
+    log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run._engine.channels_last}, "
              f"{host.threads} threads{pinned}, allocator {host.allocator}, world size {info.world_size}"
-             + (f", gradient sync {run.grad_sync.name}" if info.world_size > 1 else "") + f", pid {os.getpid()}")
-    log.info(f"model {run.extras['meta'].get('name', type(run.model).__name__)} ({n_params:,} parameters), "
+             + (f", gradient sync {run._engine.grad_sync.name}" if info.world_size > 1 else "") + f", pid {os.getpid()}")
+    log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
-    accum, peak = cfg.train.grad_accum, run.extras["peak"]
-    parts = device_batches(cfg.data, accum, run.data_world)
+    accum, peak = cfg.train.grad_accum, run._engine.peak_lr
+    parts = device_batches(cfg.data, accum, run._engine.data_world)
     shown = str(parts[0]) if len(set(parts)) == 1 else "-".join(map(str, sorted(set(parts), reverse=True)))
-    log.info(f"global batch {sum(parts) * accum} ({shown} per device x {run.data_world} x {accum} accumulation), "
+    log.info(f"global batch {sum(parts) * accum} ({shown} per device x {run._engine.data_world} x {accum} accumulation), "
              f"{run.steps_per_epoch} steps/epoch, {run.total_steps} steps, peak lr {peak:g} ({cfg.schedule.name})")
-    if not cfg.data.global_batch_size and run.data_world > 1:  # the user fixed the per-device batch: say what moved
+    if not cfg.data.global_batch_size and run._engine.data_world > 1:  # the user fixed the per-device batch: say what moved
         base = cfg.schedule.lr_max or cfg.optim.lr
         rate = (f"dist.scale_lr: linear raised the peak rate {base:g} -> {peak:g}" if peak != base else
-                f"the peak rate stays {base:g} (dist.scale_lr: linear would make it {base * run.data_world:g})")
+                f"the peak rate stays {base:g} (dist.scale_lr: linear would make it {base * run._engine.data_world:g})")
         log.info(f"data.batch_size {cfg.data.batch_size} per device: the global batch grows with the world size "
-                 f"({cfg.data.batch_size * accum} on one device, {sum(parts) * accum} on {run.data_world}); {rate}")
-    for line in describe_groups(run.extras["groups"], peak):
+                 f"({cfg.data.batch_size * accum} on one device, {sum(parts) * accum} on {run._engine.data_world}); {rate}")
+    for line in describe_groups(run._engine.groups, peak):
         log.info(line)
 
 
 def resolve_auto_batch(cfg, model, data, device, info, log):
     """``data.batch_size: auto``: probe this device, then take the smallest choice over all ranks."""
-    from brickyard.tools import memory
     batch, how = memory.auto_batch(cfg, model, data, device, info.world_size, len(data.train))
     agreed = torch.tensor([batch], dtype=torch.float64, device=device)
     if info.distributed:

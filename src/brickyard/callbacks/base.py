@@ -1,0 +1,135 @@
+"""The callback contract: how behaviour is added to a run without copying the loop.
+
+A ``Callback`` has one no-op method per moment of training; subclass it and override the ones you
+need, then pass instances to ``brickyard.fit(..., callbacks=[...])``. brickyard's own behaviours
+(checkpoints, the progress log, TensorBoard, watched layers, boost snapshots) are callbacks on the
+same interface.
+
+The hooks, in the order a run calls them::
+
+    on_train_start(run)
+      on_epoch_start(run)
+        on_step_start(run)
+        on_before_update(run)         gradients are ready (synced across ranks), the weights not yet changed
+        on_step_end(run, loss)        loss: this step's mean loss, a 0-dim tensor on the device
+        on_validation_start(run)
+        on_validation_end(run, metrics)
+        on_checkpoint(run, path)      after a checkpoint file is written (rank 0, which writes them)
+      on_epoch_end(run)               an epoch done, or the loop stopping; after validation
+    on_loop_end(run)                  the loop is over, before the test evaluation
+    on_train_end(run, summary)
+
+Callbacks run on every rank, in the order given, after brickyard's own. ``on_validation_end`` and
+``on_train_end`` follow collectives, so every rank sees the same metrics there; ``on_step_end`` is
+not a sync point, and ``loss.item()`` in it forces one (a device-to-host copy) on GPUs: read it
+every N steps, as the progress log does.
+
+``run.stop(reason)`` ends training after the current step on every rank: a stop asked for at the
+end of an epoch takes effect there; one asked for in the middle takes effect at once in a single
+process and, with several, at a step the ranks agree on through the job's store (within 20 steps).
+The run then saves a checkpoint, evaluates the test split and writes its summary.
+
+An exception in a user's callback ends the run as ``brickyard.errors.UserCodeError``: one sentence
+naming the callback and hook (what the CLI prints), the user's exception as its ``__cause__`` and
+the user's traceback as its own (what Python prints).
+
+State across a resume: ``state_dict()`` returns plain values and tensors, saved in every checkpoint
+under the callback's ``state_key`` and handed back to ``load_state_dict``. The key is the class name
+plus what tells two instances apart (``EarlyStopping{'monitor': 'val_loss', ...}``), as in Lightning's
+``Callback.state_key`` (``src/lightning/pytorch/callbacks/callback.py``, ``_generate_state_key``): a
+subclass lists the constructor arguments that matter in ``state_key_fields``.
+"""
+from __future__ import annotations
+
+import torch
+
+from brickyard.errors import BrickyardError, ConfigError, user_code_error
+from brickyard.distributed.process import is_comm_failure
+
+HOOKS = ("on_train_start", "on_epoch_start", "on_step_start", "on_before_update", "on_step_end",
+         "on_validation_start", "on_validation_end", "on_checkpoint", "on_epoch_end", "on_loop_end", "on_train_end")
+
+
+class Callback:
+    """Override any of the hooks; each gets the ``Run`` (``brickyard.Run``)."""
+
+    state_key_fields: tuple[str, ...] = ()  # attributes that tell two instances of one class apart
+
+    def on_train_start(self, run): pass
+    def on_epoch_start(self, run): pass
+    def on_step_start(self, run): pass
+    def on_before_update(self, run): pass
+    def on_step_end(self, run, loss): pass
+    def on_validation_start(self, run): pass
+    def on_validation_end(self, run, metrics): pass
+    def on_checkpoint(self, run, path): pass
+    def on_epoch_end(self, run): pass
+    def on_loop_end(self, run): pass
+    def on_train_end(self, run, summary): pass
+
+    @property
+    def state_key(self) -> str:
+        """Where this callback's state is saved in a checkpoint: the class name, and the values of
+        ``state_key_fields`` when it has any."""
+        if not self.state_key_fields:
+            return type(self).__qualname__
+        return f"{type(self).__qualname__}{ {k: getattr(self, k) for k in self.state_key_fields} }"
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class CallbackList:
+    """Calls a hook on every callback in order. Two callbacks with one ``state_key`` are refused (their
+    states would overwrite each other in a checkpoint)."""
+
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise ConfigError(f"callbacks: {cb!r} is not a brickyard.Callback (subclass it and override its hooks).")
+        keys = [cb.state_key for cb in self.callbacks if _overrides(cb, "state_dict")]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ConfigError(f"callbacks: two callbacks save their state under {twice[0]!r}; give them different "
+                              f"arguments or set state_key_fields (or a state_key property) that tells them apart.")
+        for hook in HOOKS:  # only the callbacks that override a hook are called for it
+            wanted = [(cb, getattr(cb, hook), type(cb).__module__.startswith("brickyard.")) for cb in self.callbacks
+                      if _overrides(cb, hook)]
+            setattr(self, hook, self._caller(hook, wanted))
+
+    @staticmethod
+    def _caller(hook: str, wanted):
+        def call(*args):
+            for cb, fn, own in wanted:
+                if own:
+                    fn(*args)  # brickyard's own: its failures (a lost peer, a full disk) are handled where they mean something
+                    continue
+                try:
+                    fn(*args)
+                except (BrickyardError, torch.OutOfMemoryError):
+                    raise
+                except Exception as e:  # noqa: BLE001  the user's code: one sentence, and the user's traceback kept
+                    if isinstance(e, RuntimeError) and is_comm_failure(e):
+                        raise  # a collective in the callback met a lost peer: the run says which
+                    raise user_code_error(f"callback {type(cb).__name__}.{hook}", e) from e
+        return call
+
+    def state_dict(self) -> dict:
+        states = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        return {k: v for k, v in states.items() if v}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = state or {}
+        for cb in self.callbacks:
+            if cb.state_key in state:
+                cb.load_state_dict(state[cb.state_key])
+            elif type(cb).__name__ in state and cb.state_key_fields:  # a checkpoint keyed by class name alone
+                cb.load_state_dict(state[type(cb).__name__])
+
+
+def _overrides(cb, hook: str) -> bool:
+    return getattr(type(cb), hook) is not getattr(Callback, hook)

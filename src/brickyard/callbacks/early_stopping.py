@@ -1,0 +1,47 @@
+"""``EarlyStopping``: stop when a validation metric stops improving."""
+from __future__ import annotations
+
+from brickyard.callbacks.base import Callback
+from brickyard.errors import ConfigError
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` (``val_loss``, ``val_accuracy``, ``val_top5``) has not improved by more than
+    ``min_delta`` for ``patience`` validations; with ``restore_best`` the weights of the best validation
+    are put back when it stops (kept on the CPU, one copy of the model)."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, restore_best: bool = True):
+        if not monitor.startswith("val_"):
+            raise ConfigError(f"EarlyStopping: monitor {monitor!r} must be a validation metric such as val_loss or val_accuracy.")
+        if patience < 1:
+            raise ConfigError(f"EarlyStopping: patience {patience} must be at least 1.")
+        self.monitor, self.patience, self.min_delta, self.restore_best = monitor, patience, abs(min_delta), restore_best
+        self.sign = -1.0 if monitor.endswith("loss") else 1.0  # larger is better after multiplying
+        self.best, self.wait, self.best_step, self.best_weights = None, 0, None, None
+
+    state_key_fields = ("monitor", "min_delta")
+
+    def on_validation_end(self, run, metrics):
+        name = self.monitor[len("val_"):]
+        value = metrics.get(name)
+        if value is None:
+            have = ", ".join(f"val_{k}" for k, v in metrics.items() if isinstance(v, float))
+            raise ConfigError(f"EarlyStopping: monitor {self.monitor!r} is not among this run's metrics ({have}).")
+        if self.best is None or self.sign * (value - self.best) > self.min_delta:
+            self.best, self.wait, self.best_step = value, 0, run.step
+            if self.restore_best:
+                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in run.model.state_dict().items()}
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            if self.restore_best and self.best_weights is not None:
+                run.model.load_state_dict(self.best_weights)
+            run.log.info(f"early stopping: {self.monitor} has not improved for {self.wait} validation(s); best "
+                         f"{self.best:.4f} at step {self.best_step}" + ("; its weights restored" if self.restore_best else ""))
+            run.stop(f"EarlyStopping on {self.monitor}")
+
+    def state_dict(self):
+        return {"best": self.best, "wait": self.wait, "best_step": self.best_step}
+
+    def load_state_dict(self, state):
+        self.best, self.wait, self.best_step = state["best"], state["wait"], state["best_step"]

@@ -1,0 +1,63 @@
+"""``EMA``: an exponential moving average of the weights for evaluation and the final model."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from brickyard.callbacks.base import Callback
+from brickyard.errors import ConfigError
+
+
+class EMA(Callback):
+    """An exponential moving average of the weights, ``avg = decay * avg + (1 - decay) * w`` after every
+    step. Validation, the test evaluation, ``best.pt`` and the final weights use the average; the
+    training steps use the raw weights, which every step checkpoint keeps for an exact resume."""
+
+    def __init__(self, decay: float = 0.999):
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"EMA: decay {decay} must be between 0 and 1, e.g. 0.999.")
+        self.decay, self.avg = decay, None
+
+    state_key_fields = ("decay",)
+
+    def on_train_start(self, run):
+        self.live = list(run.model.parameters()) + list(run.model.buffers())  # updated in place, so kept once
+        self.avg = ([t.detach().clone() for t in self.live] if self.avg is None
+                    else [a.to(t.device) for a, t in zip(self.avg, self.live)])
+        self.floats = [(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()]
+        self.counters = [(a, w) for a, w in zip(self.avg, self.live) if not a.is_floating_point()]  # num_batches_tracked
+        run.use_eval_weights(self.applied)
+
+    def on_step_end(self, run, loss):
+        with torch.no_grad():
+            torch._foreach_lerp_([a for a, _ in self.floats], [w for _, w in self.floats], 1.0 - self.decay)
+            _copy([a for a, _ in self.counters], [w for _, w in self.counters])
+
+    def on_loop_end(self, run):
+        with torch.no_grad():  # the run ends with the averaged weights
+            _copy(self.live, self.avg)
+        run.use_eval_weights(None)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Swap the averaged weights in (for an evaluation or a save) and the raw ones back after."""
+        raw = [w.detach().clone() for w in self.live]
+        with torch.no_grad():
+            _copy(self.live, self.avg)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                _copy(self.live, raw)
+
+    def state_dict(self):
+        return {"decay": self.decay, "avg": self.avg} if self.avg is not None else {}
+
+    def load_state_dict(self, state):
+        self.avg = list(state["avg"]) if state.get("avg") is not None else None
+
+
+def _copy(dst, src) -> None:
+    for d, s in zip(dst, src):
+        d.copy_(s)

@@ -1,0 +1,44 @@
+"""``NotLearning``: a classifier whose loss sits at chance is said to be stuck, once."""
+from __future__ import annotations
+
+import math
+
+from brickyard.callbacks.base import Callback
+from brickyard.errors import BrickyardError
+
+
+class NotLearningError(BrickyardError):
+    exit_code = 1
+
+
+class NotLearning(Callback):
+    """Says so when a classifier stops learning: the training loss within 3% of ln(classes) or the
+    accuracy within 1.5x of chance for ``windows`` log windows in a row, after the first tenth of
+    the run. One warning, recorded in the summary; ``train.stop_if_not_learning`` ends the run
+    there (exit code 1, the checkpoints already written kept). Reads ``run.train_loss`` and
+    ``run.train_accuracy``, which ``ProgressLog`` (before it in the list) sets on log steps: no host sync of its own."""
+
+    def __init__(self, windows: int = 3, stop: bool = False):
+        self.windows, self.stop, self.streak, self.said = windows, stop, 0, None
+
+    def on_step_end(self, run, loss):
+        every = run.config.train.log_every
+        c = run.data.num_classes
+        if not (run.step % every == 0 or run.step == run.total_steps) or c < 2 or not run._engine.totals.classify:
+            return
+        if run.step < run.total_steps / 10:
+            return
+        chance_loss = math.log(c)
+        acc = run.train_accuracy
+        stuck = abs(run.train_loss - chance_loss) < 0.03 * chance_loss or (acc is not None and acc < 1.5 / c)
+        self.streak = self.streak + 1 if stuck else 0
+        if self.streak < self.windows or self.said:
+            return
+        self.said = (f"not learning: for {self.streak} log windows up to step {run.step} the training loss is "
+                     f"{run.train_loss:.3f} (chance: ln {c} = {chance_loss:.3f}) and the accuracy {acc:.3f} (chance "
+                     f"{1 / c:.3f}); likely causes: a learning rate too high for this batch ({run.lr:.4g} now; try "
+                     f"a lower optim.lr or a longer warm-up), ReLUs that died early, or labels that do not match the inputs")
+        run._engine.not_learning = self.said  # into the summary
+        if self.stop:
+            raise NotLearningError(self.said + "; stopped (train.stop_if_not_learning).")
+        run.log.warning(self.said + ".")

@@ -1,0 +1,116 @@
+"""``ProgressLog``: the log windows (throughput, data wait, training loss and accuracy read back on log
+steps only), the validation lines, ``metrics.jsonl``, TensorBoard scalars and the progress bar."""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from brickyard.callbacks.base import Callback
+from brickyard.observe.metrics import fit_hint
+
+INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
+MIN_HINT_IMAGES = 500  # fewer recent training images than this say too little to hint at over- or under-fitting
+
+
+class ProgressLog(Callback):
+    """Reads the training totals back every ``train.log_every`` steps (the loop's only host sync) and
+    sets ``run.train_loss`` / ``run.train_accuracy``, which callbacks after it read (``NotLearning``)."""
+
+    def __init__(self, run, metrics, tb, input_bound_hint: str | None, guard):
+        self.guard = guard  # the NaN guard (``training.step.guard``): before a loss is read back
+        t = run.config.train
+        self.metrics, self.tb, self.hint = metrics, tb, input_bound_hint
+        self.every = t.log_every
+        use_bar = run.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
+        self.plain = run.is_main and not use_bar and t.progress != "none"
+        self.use_bar, self.bar = use_bar, None
+        self.at_log, self.last_window = [0.0, 0.0, 0], (0.0, 0)  # rank-summed totals at the last log line; its window
+        self.window_start, self.window_count = time.perf_counter(), 0
+
+    def on_train_start(self, run):
+        if self.use_bar:
+            self.bar = tqdm(total=run.total_steps, initial=run.step, unit="step", dynamic_ncols=True, leave=False)
+
+    def on_epoch_start(self, run):
+        self.window_start, self.window_count, run._engine.data_wait = time.perf_counter(), run._engine.totals.count, 0.0
+        self.epoch_start = self.window_start
+
+    def _end_window(self, run) -> tuple[float, int]:
+        """Close the window (at a log step or the end of an epoch); its seconds and images (all ranks)."""
+        now = time.perf_counter()
+        elapsed, n = now - self.window_start, (run._engine.totals.count - self.window_count) * run._engine.data_world
+        run._engine.train_seconds += elapsed  # the summary's training time and images/s
+        run._engine.images += n
+        self.window_start, self.window_count = now, run._engine.totals.count
+        return elapsed, n
+
+    def on_step_end(self, run, loss):
+        if self.bar is not None:
+            self.bar.update(1)
+        if run.step % self.every == 0 or run.step == run.total_steps:
+            self.guard(run)  # the loss read-back below is this loop's only host sync
+            self._log(run)
+
+    def _log(self, run) -> None:
+        now = run._engine.totals.read()  # the sync point
+        loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
+        self.at_log[:] = now
+        self.last_window = (correct, count)
+        wait, (elapsed, n) = run._engine.data_wait, self._end_window(run)
+        run._engine.data_wait = 0.0
+        ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
+        loss = loss_sum / max(count, 1)
+        acc = correct / max(count, 1) if run._engine.totals.classify else None
+        run.train_loss, run.train_accuracy = loss, acc
+        shown_acc = f" acc {acc:.4f}" if acc is not None else ""
+        extra = run._engine.update.describe()
+        line = (f"epoch {run.epoch + 1} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} "
+                f"loss {loss:.4f}{shown_acc} lr {run.lr:.4g} {ips:,.0f} img/s{extra}")
+        if wait_frac > INPUT_BOUND and self.hint:
+            line += f", input-bound: {100 * wait_frac:.0f}% of the time waiting for data ({self.hint})"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}{shown_acc}")
+        run.log.info(line, console=self.plain)
+        self.metrics.write(kind="train", step=run.step, epoch=round(run.step / run.steps_per_epoch, 4), loss=loss,
+                           accuracy=acc, lr=run.lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
+        self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
+
+    def on_validation_start(self, run):
+        self._end_window(run)  # evaluation is not training: it stays out of train_seconds and images/s
+
+    def on_validation_end(self, run, r):
+        self.window_start = time.perf_counter()
+        # like with like: the training accuracy of the latest steps (since the last log line, else that
+        # line's window), not the epoch's mean, which its first steps drag down
+        now = run._engine.totals.read()
+        since = [a - b for a, b in zip(now, self.at_log)]
+        correct, count = (since[1], since[2]) if since[2] > 0 else self.last_window
+        train_acc = correct / max(count, 1) if run._engine.totals.classify and count else None
+        epoch = round(run.step / run.steps_per_epoch, 4)
+        hint = None
+        if r["accuracy"] is not None and train_acc is not None:
+            hint = fit_hint(train_acc, r["accuracy"]) if count >= MIN_HINT_IMAGES else None
+            run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} "
+                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f} (last {int(count):,} training images)"
+                         + (f"; {hint}" if hint else ""))
+        else:
+            run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f}")
+        self.metrics.write(kind="val", step=run.step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+                           train_accuracy=train_acc, hint=hint)
+        self.tb.scalars(run.step, "val", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
+
+    def on_epoch_end(self, run):
+        self._end_window(run)
+        seconds = round(time.perf_counter() - self.epoch_start, 3)  # training, validation and the stop agreement
+        run._engine.epoch_seconds.append(seconds)
+        epoch = round(run.step / run.steps_per_epoch, 4)
+        self.metrics.write(kind="epoch", step=run.step, epoch=epoch, seconds=seconds)
+        run.log.info(f"epoch {epoch:g} took {seconds:.1f} s", console=self.plain)
+
+    def on_loop_end(self, run):
+        if run.step % run.steps_per_epoch:
+            self._end_window(run)  # a stop in the middle of an epoch
+        if self.bar is not None:
+            self.bar.close()
