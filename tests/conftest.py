@@ -51,3 +51,11 @@ def cache_dir(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("BRICKYARD_CACHE", str(d))
     return d
+
+
+def free_port() -> int:
+    """A port free now (for a test's own listener or a master that is meant not to answer)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,3 +1,3 @@
-from brickyard.cli import run
+from brickyard.cli.main import run
 
 run()

@@ -1,14 +1,31 @@
-"""The Python API: the CLI is a thin layer over these functions."""
+"""The Python API: ``fit`` for your own model and data, and what the CLI's commands call.
+
+``import brickyard`` stays light (``brickyard/__init__.py`` loads this module on first use of
+``brickyard.fit``); this module itself imports the training engine at the top.
+"""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from brickyard import models
 from brickyard.config import Config, build, load_config
 from brickyard.data import DataBundle, build_data, from_user
+from brickyard.data.augment import DevicePrep
+from brickyard.distributed import env as dist_env
 from brickyard.errors import ConfigError
+from brickyard.models.finetune import prepare
+from brickyard.observe.logs import Logger
 from brickyard.observe.runlog import default_run_dir
+from brickyard.training import checkpoint as ckpt
+from brickyard.training import device as dev
+from brickyard.training.evaluation import evaluate
+from brickyard.training.loop import train
+
+__all__ = ["fit", "resolve_config", "train_config", "build_model", "load_checkpoint_model", "evaluate_checkpoint"]
 
 
 def resolve_config(config=None, overrides=()) -> Config:
@@ -30,11 +47,18 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors (inputs N x anything:
-    images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of pairs.
+    images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of
+    pairs. Integer labels are classes: their count is the largest label + 1, or for a Dataset the width
+    of the model's output (``num_classes`` overrides both). Accuracy and the confusion matrix are
+    reported when the outputs are class logits (N x C) for integer labels.
+
     ``callbacks``: ``brickyard.Callback`` instances. ``loss_fn(outputs, targets)`` returns the mean loss
-    (default: cross-entropy with ``optim.label_smoothing``). ``train_step(run, batches)``: replaces
-    ``brickyard.training.step.train_step``. Accuracy and the confusion matrix are reported when the outputs are
-    class logits (N x C) for integer labels.
+    (default: cross-entropy with ``optim.label_smoothing``). ``train_step(run, batch)`` replaces the
+    forward pass and loss: it gets ``(inputs, targets)`` on the device and returns the mean loss, or
+    ``(loss, outputs)``; brickyard does the backward pass (unless the step calls ``run.backward``), the
+    gradient sync, the NaN guard, the learning rate, the update and the hooks
+    (``brickyard.training.step``). An exception in any of these is a ``UserCodeError`` that keeps the
+    user's traceback.
 
     Under ``torchrun`` (or ``brickyard run --devices ...``) every process calls ``fit`` and trains its
     share; a process group you made yourself is used and left alone. ``fit`` restores the global torch
@@ -42,8 +66,6 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     ``$BRICKYARD_RUN_DIR``, ``$BRICKYARD_LOG_DIR`` and ``$BRICKYARD_RESUME`` (set by `brickyard run`) are
     the defaults of ``run_dir``, the worker logs and ``resume``.
     """
-    import os
-    from brickyard.training.loop import train
     cfg = resolve_config(config, overrides)
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
@@ -55,14 +77,11 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
 
 
 def build_model(cfg: Config, data: DataBundle) -> nn.Module:
-    from brickyard import models
     return models.build(cfg, data)
 
 
 def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
-    from brickyard.training.loop import train
-    import torch
     data = build_data(cfg.data)
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
@@ -70,52 +89,19 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     meta = {"name": cfg.model.name, "registry": True}
     ft = cfg.finetune
     if ft.init_from or ft.reset_head or ft.freeze:
-        from brickyard.models.finetune import prepare
-        from brickyard.distributed import process as dist
-        from brickyard.observe.logs import Logger
-        with Logger(dist.from_env().rank) as log:
+        with Logger(dist_env.from_env().rank) as log:
             prepare(model, ft, cfg.model.num_classes or data.num_classes, log)
     return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
 
 
 def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
-    """Rebuild a registry model from a brickyard checkpoint; returns (model, state, config)."""
-    from brickyard.training import checkpoint as ckpt
-    from brickyard import models
-    from brickyard.errors import CheckpointError
-    path = _pick_checkpoint(Path(path))
-    state = ckpt.load(path)
-    meta = state.get("meta", {})
-    if not meta.get("registry"):
-        raise CheckpointError(f"checkpoint {path} holds a user model ({meta.get('name')}); rebuild it in Python and load state['model'].")
-    cfg = build(state["config"])
-    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
-    ckpt.check_model(state, model, Path(path))
-    model.load_state_dict(state["model"])
-    return model, state, cfg
-
-
-def _pick_checkpoint(path: Path) -> Path:
-    """A run directory (or its ``checkpoints/``) stands for its ``best.pt``, else its newest step."""
-    from brickyard.training import checkpoint as ckpt
-    from brickyard.errors import CheckpointError
-    if not path.is_dir():
-        return path
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if (folder / "best.pt").is_file():
-        return folder / "best.pt"
-    steps = ckpt.step_checkpoints(folder)
-    if not steps:
-        raise CheckpointError(f"{path} is a folder with no checkpoint (best.pt or step-N.pt) in it.")
-    return steps[-1]
+    """Rebuild a registry model from a brickyard checkpoint or run directory; returns (model, state, config)."""
+    return ckpt.load_model(path)
 
 
 def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
-    from brickyard.training import device as dev
-    from brickyard.data.augment import DevicePrep
-    from brickyard.training.evaluation import evaluate
-    path = _pick_checkpoint(Path(path))
-    model, state, cfg = load_checkpoint_model(path)
+    path = ckpt.pick(Path(path))
+    model, state, cfg = ckpt.load_model(path)
     data = build_data(cfg.data)
     part = getattr(data, split)
     if part is None:

@@ -158,7 +158,7 @@ def test_parameter_server_refuses_restarts_before_launching(flag, tmp_path):
     ("1", "error: the node that hosts the rendezvous ({m}, --node-rank 0) did not answer within 5s; start it, or "
           "check the address and port.")])
 def test_a_node_that_never_joins_is_named_in_one_sentence_after_the_timeout(tmp_path, rank, sentence):
-    from brickyard.launch.torchrun import _free_port
+    from conftest import free_port as _free_port
     run, master = tmp_path / "run", f"127.0.0.1:{_free_port()}"
     start = time.time()
     r = run_cli("train", "mnist", *sets(*SYNTH, "dist.timeout_s=5"), "--nnodes", "2", "--node-rank", rank,
@@ -257,7 +257,8 @@ def test_runs_under_an_external_torchrun(tmp_path):
     ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
     ("login-a", ["login-a"])])
 def test_slurm_node_lists_expand_as_slurm_writes_them(nodelist, hosts):
-    assert dist.slurm_hosts(nodelist) == hosts
+    from brickyard.distributed.slurm import slurm_hosts
+    assert slurm_hosts(nodelist) == hosts
 
 
 def test_slurm_environment_gives_rank_world_local_and_master():
@@ -295,7 +296,7 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     the job's timeout."""
     import threading
     from types import SimpleNamespace
-    from brickyard.launch.torchrun import _free_port
+    from conftest import free_port as _free_port
     from brickyard.launch.nodes import RollCall
     roll = RollCall(SimpleNamespace(master=f"127.0.0.1:{_free_port()}", node_rank=1, timeout_s=60, nnodes=2))
     time.sleep(1.5)  # inside a connection attempt to a master that is not there

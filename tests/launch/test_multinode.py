@@ -239,3 +239,16 @@ def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(host
     ms = doc["results"]["cpu:1 x 2 nodes"]["step_ms"]
     assert ms["rank_wait"] >= 0 and ms["allreduce"] > 0
     assert abs(ms["grad_sync"] - ms["rank_wait"] - ms["allreduce"]) < 0.05 * ms["total"] + 0.05
+
+
+def test_one_machine_lets_torchrun_pick_the_port():
+    """No port is chosen here and handed to torchrun later (another process could take it in between):
+    torchrun's store binds port 0 itself; an explicit --master keeps its port."""
+    from types import SimpleNamespace as NS
+    from brickyard.launch.torchrun import torchrun_argv
+    argv = torchrun_argv(NS(nproc=2, max_restarts=0, nnodes=1, master=None))
+    assert "--standalone" in argv and not [a for a in argv if a.startswith("--rdzv-endpoint")]
+    from conftest import free_port
+    port = free_port()
+    argv = torchrun_argv(NS(nproc=2, max_restarts=0, nnodes=1, master=f"127.0.0.1:{port}"))
+    assert f"--rdzv-endpoint=127.0.0.1:{port}" in argv and "--standalone" not in argv

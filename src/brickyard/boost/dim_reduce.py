@@ -34,11 +34,13 @@ import torch
 from torch import nn
 
 from brickyard.distributed import process as dist
-from brickyard.training.checkpoint import read, save_atomic
+from brickyard.distributed.flat import flat_grads
+from brickyard.distributed.flat import flatten as flat_params
+from brickyard.distributed.flat import load_flat as set_flat
 from brickyard.errors import CheckpointError, ConfigError
 from brickyard.optim.updates import Update
 from brickyard.tools.memory import fmt
-from brickyard.distributed.flat import flat_grads, flatten as flat_params, load_flat as set_flat
+from brickyard.training.checkpoint import read, save_atomic
 
 _SNAP = re.compile(r"^snap-(\d+)\.pt$")
 

@@ -8,16 +8,17 @@ bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 
 import yaml
 
+from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig,  # noqa: F401
+                                     DistConfig, FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig,
+                                     ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, build, cross_check,
+                                     per_device_wins)
 from brickyard.errors import ConfigError
-from brickyard.config.schema import build, cross_check, per_device_wins  # noqa: F401  (re-exported: config.build is the public name)
-from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig, DistConfig,  # noqa: F401
-                              FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig, ScheduleConfig,
-                              SnapshotConfig, SyntheticConfig, TrainConfig)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -154,7 +155,6 @@ def update_readme(path: Path) -> bool:
 
 
 if __name__ == "__main__":  # python -m brickyard.config [README.md]: print the table, or rewrite it in the file
-    import sys
     if len(sys.argv) > 1:
         print("updated" if update_readme(Path(sys.argv[1])) else "unchanged")
     else:

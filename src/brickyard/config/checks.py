@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from brickyard.errors import ConfigError
 
-
 _SIZED = ("resize", "center_crop", "random_resized_crop")
 
 

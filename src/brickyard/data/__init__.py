@@ -6,51 +6,17 @@ loader. Normalisation and augmentation happen on the device, after a batch is lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from brickyard.data import idx
+from brickyard.data.bundle import DataBundle, Split
+from brickyard.data.imagefolder import decode, imagefolder_bundle, scan
+from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError
 
-
-@dataclass
-class Split:
-    images: torch.Tensor | None = None
-    labels: torch.Tensor | None = None
-    dataset: torch.utils.data.Dataset | None = None
-
-    def __len__(self) -> int:
-        return len(self.labels) if self.labels is not None else len(self.dataset)
-
-    def as_dataset(self) -> torch.utils.data.Dataset:
-        if self.dataset is not None:
-            return self.dataset
-        return torch.utils.data.TensorDataset(self.images, self.labels)
-
-
-@dataclass
-class DataBundle:
-    name: str
-    train: Split
-    val: Split | None
-    test: Split | None
-    num_classes: int
-    in_channels: int
-    image_size: tuple[int, int]
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-    classes: list[str] = field(default_factory=list)
-
-    sample_shape: tuple = ()  # one input's shape; C x H x W for images
-
-    @property
-    def in_memory(self) -> bool:
-        return self.train.images is not None
-
-    @property
-    def is_images(self) -> bool:
-        """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
-        return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2
+__all__ = ["DataBundle", "Split", "build_data", "from_user"]
 
 
 MNIST_STATS = {"mnist": ((0.1307,), (0.3081,)), "fashion-mnist": ((0.2860,), (0.3530,))}
@@ -63,17 +29,13 @@ def build_data(cfg) -> DataBundle:
 
 def _build(cfg) -> DataBundle:
     if cfg.name == "synthetic":
-        from brickyard.data.synthetic import synthetic_bundle
         return synthetic_bundle(cfg.synthetic, seed=1234)
     if cfg.name == "imagefolder":
-        from brickyard.data.imagefolder import decode, imagefolder_bundle, scan
-        from pathlib import Path
         channels = cfg.channels
         if not channels and cfg.root:
             files, _, _ = scan(Path(cfg.root).expanduser() / "train")
             channels = decode(files[0]).shape[0]
         return imagefolder_bundle(cfg, channels or 3)
-    from brickyard.data import idx
 
     arrays = idx.load_idx(cfg.name, cfg.root, cfg.download)
     x_train = torch.from_numpy(arrays["train-images-idx3-ubyte"].copy()).unsqueeze(1)

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from brickyard.data import idx
 
 
 def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0) -> dict[str, int]:
-    from PIL import Image
     arrays = idx.load_idx(name, root, allow_download=True)
     x, y = arrays["train-images-idx3-ubyte"], arrays["train-labels-idx1-ubyte"]
     splits = {"train": (x[:50000], y[:50000]), "val": (x[50000:], y[50000:]),

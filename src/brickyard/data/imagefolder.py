@@ -5,13 +5,15 @@ DataLoader workers and transformed with torch ops (``brickyard.data.transforms``
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
-from brickyard.data import DataBundle, Split
+from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.transforms import NAMED_STATS, Pipeline
 from brickyard.errors import ConfigError, DataError
 
@@ -20,7 +22,6 @@ IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 def decode(path: Path) -> torch.Tensor:
     """uint8 C x H x W (1 channel for grayscale files, else 3); a clear error naming a bad file."""
-    from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(path) as im:
             im = im.convert("L") if im.mode in ("L", "1", "I;16", "I") else im.convert("RGB")
@@ -109,7 +110,6 @@ SMALL = 64  # images no larger than this on either side are trained at their own
 def auto_transforms(cfg, first: torch.Tensor):
     """``auto`` transforms follow the images: small ones (digits, icons, CIFAR-sized) keep their own size,
     photos get the 224 pipeline (random resized crop and flip; resize 256, centre crop 224)."""
-    import dataclasses
     h, w = first.shape[-2:]
     small = max(h, w) <= SMALL
     train, ev = cfg.train_transforms, cfg.eval_transforms

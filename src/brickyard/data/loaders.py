@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from brickyard.data import Split
+from brickyard.data.bundle import Split
+from brickyard.errors import BrickyardError, ConfigError, DataError
 
 
 class BatchPlan:
@@ -36,13 +37,11 @@ class BatchPlan:
         self.n, self.batch_size, self.world, self.rank, self.seed, self.shuffle = n, batch_size, world, rank, seed, shuffle
         self.global_batch = global_batch or batch_size * world
         if self.global_batch < world:
-            from brickyard.errors import ConfigError
             raise ConfigError(f"data.global_batch_size: a global batch of {self.global_batch} (per accumulation step) "
                               f"is smaller than the {world} processes; each needs at least one image.")
         full, rem = divmod(n, self.global_batch)
         self.steps_per_epoch = full + (1 if rem >= world else 0)
         if self.steps_per_epoch == 0:
-            from brickyard.errors import DataError
             raise DataError(f"the training split has {n} samples, fewer than the {world} ranks; use a smaller world size.")
 
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -120,7 +119,6 @@ class StreamLoader:
 
 def _clean_errors(iterable):
     """Re-raise a worker's DataError as the one sentence it was, without the worker traceback."""
-    from brickyard.errors import DataError
     try:
         yield from iterable
     except DataError as e:
@@ -142,7 +140,6 @@ def check_readers(cfg, world: int, n_train: int | None = None) -> None:
     of each global batch and of the training split (``n_train``, when known); one sentence otherwise.
     ``cfg`` is the whole Config. The launcher calls it before any worker starts, ``train`` before
     anything is written."""
-    from brickyard.errors import BrickyardError
     readers = world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
     if readers < 1:
         return  # the parameter-server layout check says it
@@ -169,7 +166,6 @@ def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank:
     if kind == "auto":
         kind = "memory" if split.images is not None else "stream"
     if kind == "memory" and split.images is None:
-        from brickyard.errors import ConfigError
         raise ConfigError("data.loader: 'memory' needs a data set held as tensors; this one streams from files, use stream.")
     if kind == "memory":
         return InMemoryLoader(split, plan, device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from brickyard.data import DataBundle, Split
+from brickyard.data.bundle import DataBundle, Split
 
 
 def synthetic_bundle(cfg, seed: int = 1234) -> DataBundle:

@@ -10,12 +10,15 @@ node names its own address (``--local-addr``) and interface (``GLOO_SOCKET_IFNAM
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 from brickyard.errors import BrickyardError
-
 
 LAST_CALL_S = 5  # elastic jobs: once MIN nodes are in, how long the rendezvous waits for more
 
@@ -76,7 +79,7 @@ def route_to(host: str, port: int) -> tuple[str | None, str | None]:
 def _interface_of(addr: str) -> str | None:
     """The network interface that holds ``addr`` (Linux), for gloo's and NCCL's sockets."""
     try:
-        import fcntl
+        import fcntl  # Linux only: elsewhere the ImportError below leaves the choice to gloo and NCCL
         import struct
         names = [name for _, name in socket.if_nameindex()]
     except (ImportError, OSError, AttributeError):  # not Linux: leave gloo's and NCCL's own choice
@@ -117,7 +120,6 @@ class AgentWatch:
         self.grace = grace
 
     def start(self) -> None:
-        import threading
         if Path("/proc/self/task").is_dir():
             threading.Thread(target=self._watch, daemon=True, name="brickyard-agent-watch").start()
 
@@ -134,8 +136,6 @@ class AgentWatch:
         return out
 
     def _watch(self) -> None:
-        import sys
-        import time
         seen, alive_at = False, time.monotonic()
         while True:
             time.sleep(1.0)
@@ -168,7 +168,6 @@ class RollCall:
     STEP_S = 1
 
     def __init__(self, job):  # a launch.Job
-        import threading
         self.job, self.joined, self.connected = job, [], False
         self._done = threading.Event()
         host, _, port = job.master.rpartition(":")
@@ -177,8 +176,7 @@ class RollCall:
         self._thread.start()
 
     def _connect(self, host: str, port: int):
-        import datetime
-        import time
+        # torch loads here, not at the top: the CLI imports this module before a command runs
         from torch.distributed import TCPStore
         deadline = time.monotonic() + self.job.timeout_s
         while not self._done.is_set():
@@ -191,7 +189,6 @@ class RollCall:
         raise ConnectionError("closed")
 
     def _run(self, host: str, port: int) -> None:
-        import time
         try:
             store = self._connect(host, port)
             self.connected = True

@@ -10,14 +10,14 @@ only the checks that turn its failures into one sentence.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from brickyard.launch import nodes
 from brickyard.errors import BrickyardError, DeviceError
+from brickyard.launch import nodes
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,6 @@ class Job:
     min_nodes: int = 0        # 0: as many as nnodes (a fixed-size job)
 
     def replace(self, **changes) -> "Job":
-        import dataclasses
         return dataclasses.replace(self, **changes)
 
     @property
@@ -102,7 +101,7 @@ def parse_devices(spec: str | None) -> tuple[int, str, str | None]:
         if n < 1:
             raise BrickyardError(f"--devices {spec!r}: expected cpu:N with N >= 1, e.g. cpu:2.")
         return n, "cpu", None
-    import torch
+    import torch  # lazy: the CLI imports this module before a command runs (start-up time)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec in ("cuda", "all"):
         if count == 0:
@@ -126,12 +125,6 @@ def parse_devices(spec: str | None) -> tuple[int, str, str | None]:
     return len(ids), "cuda", ",".join(map(str, ids))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_argv(args, run_dir: Path, log_dir: Path, job: Job) -> list[str]:
     argv = ["train"] + ([args.config] if args.config else [])
     for item in args.overrides:
@@ -151,9 +144,10 @@ def torchrun_argv(job: Job) -> list[str]:
         host, _, port = job.master.rpartition(":")
         if not nodes.port_free(host or "127.0.0.1", int(port)):
             raise BrickyardError(f"--master {job.master}: port {port} is already in use on this machine; pick another.")
-    else:
-        host, port = "127.0.0.1", str(_free_port())
-    return out + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
+        return out + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={host or '127.0.0.1'}:{port}"]
+    # torchrun's store binds port 0 and the OS picks a free one while it is bound: no window in which
+    # another process can take a port chosen for it (as a port checked here and handed on later had)
+    return out + ["--standalone"]
 
 
 def process_env(cfg) -> None:
@@ -166,8 +160,9 @@ def process_env(cfg) -> None:
 
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
-    from brickyard.observe.runlog import default_run_dir, refuse_reuse
+    # lazy: these import torch, and the CLI imports this module before a command runs (start-up time)
     from brickyard.data.loaders import check_readers, device_batches
+    from brickyard.observe.runlog import default_run_dir, refuse_reuse
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
@@ -175,12 +170,12 @@ def launch(args, cfg) -> int:
         refuse_reuse(run_dir)  # before any worker starts
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
-        from brickyard.distributed.parameter_server import NO_RESUME, check_layout
+        from brickyard.distributed.parameter_server import NO_RESUME, check_layout  # lazy: imports torch
         check_layout(cfg, job.world)
         if args.resume or job.max_restarts:  # a restarted group would resume
             raise BrickyardError(NO_RESUME)
     if job.world == 1 and not job.max_restarts:
-        from brickyard import api
+        from brickyard import api  # lazy: the training engine, for this one-process job only
         from brickyard.observe.runlog import print_result
         summary = api.train_config(cfg.replace(**{"train.device": job.device}), run_dir, args.resume, log_dir=log_dir)
         print_result(summary)
@@ -201,7 +196,7 @@ def launch_script(args) -> int:
     job = Job.from_args(args, args.timeout)
     run_dir = args.run_dir
     if not run_dir and job.max_restarts:  # a restarted script must find the run it resumes
-        from brickyard.observe.runlog import default_run_dir
+        from brickyard.observe.runlog import default_run_dir  # lazy: imports torch
         run_dir = str(default_run_dir(script.stem))
     if run_dir:
         os.environ["BRICKYARD_RUN_DIR"] = str(Path(run_dir).resolve())
@@ -224,6 +219,7 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     # torchrun logs each worker's exit and its own shutdown; brickyard says what matters in one sentence
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # torch sets levels per module
         if name.startswith("torch.distributed.elastic"):

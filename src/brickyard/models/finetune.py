@@ -31,7 +31,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"finetune.init_from: {path} does not exist.")
     if path.suffix == ".safetensors":
         try:
-            from safetensors.torch import load_file
+            from safetensors.torch import load_file  # optional dependency
         except ImportError:
             raise CheckpointError(f"{path}: reading .safetensors needs the safetensors package (pip install safetensors).") from None
         try:

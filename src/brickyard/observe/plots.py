@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from brickyard.errors import BrickyardError
 from brickyard.observe.runlog import read_metrics
+from brickyard.training.checkpoint import read
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 STYLES = {"train": ((), "dot"), "val": ((6, 4), "circle"), "test": ((2, 3), "square")}  # (dash pattern, marker)
@@ -215,9 +217,7 @@ def _confusion(confusion, path: Path) -> Path:
 
 def _misclassified(source: Path, path: Path) -> Path:
     """One mosaic, each tile scaled up and labelled 'true>predicted'."""
-    import torch
 
-    from brickyard.training.checkpoint import read
     e = read(source, "test errors")
     if not isinstance(e, dict) or not {"images", "true", "pred", "classes"} <= set(e):
         raise BrickyardError(f"test errors {source} is not what a run writes there (images, true, pred, classes).")

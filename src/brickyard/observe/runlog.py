@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
 
+from brickyard import __version__
 from brickyard.errors import BrickyardError
 
 
@@ -66,8 +68,6 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def env_record(device: torch.device, seed: int, world_size: int, extra: dict | None = None) -> dict:
-    import numpy
-    from brickyard import __version__
     info = {
         "brickyard": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "numpy": numpy.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),

@@ -13,7 +13,7 @@ class TBWriter:
         if not (enabled and run_dir is not None):
             return
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency (brickyard[viz])
         except ImportError:
             warn("train.tensorboard is on but the tensorboard package is not installed (pip install tensorboard); no event files.")
             return

@@ -10,6 +10,7 @@ imports ``torch._dynamo`` on its first call, about 1 s of every command on a 2-c
 from __future__ import annotations
 
 import collections
+import fnmatch
 import math
 
 import torch
@@ -214,7 +215,6 @@ def param_groups(model: torch.nn.Module, cfg, head: str | None = None, head_lr_m
     """Optimiser groups from ``optim.param_groups`` rules (first match wins), ``decay_bias_norm``
     and the trainable parameters of ``model``; ``head``'s parameters get ``head_lr_mult`` unless a
     rule says otherwise. Each group carries ``names`` for printing."""
-    import fnmatch
     norm_params = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
     rules = list(cfg.param_groups)
     used = [False] * len(rules)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import functools
 import json
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,11 +34,18 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from brickyard.training import device as dev
-from brickyard.distributed import process as dist
+from brickyard import models
+from brickyard.data import build_data
+from brickyard.data.augment import DevicePrep
+from brickyard.data.loaders import device_batches, make_train_loader, step_batch
 from brickyard.distributed import gradsync
-from brickyard.errors import BrickyardError
+from brickyard.distributed import process as dist
 from brickyard.distributed.flat import flatten
+from brickyard.errors import BrickyardError
+from brickyard.observe.plots import scaling
+from brickyard.optim import build_optimizer, param_groups
+from brickyard.training import device as dev
+from brickyard.training.setup import grad_sync
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
 COMM_BOUND = 0.20
@@ -50,13 +60,11 @@ def _sync(device):
 def _peak_memory(device) -> dict:
     if device.type == "cuda":
         return {"peak_device_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
-    import resource
     return {"peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
     """Benchmark this process's share of the job described by ``cfg``; rank 0's result is complete."""
-    from brickyard.data.loaders import device_batches, step_batch
     info = dist.from_env()
     t = cfg.train
     host = dev.setup(t, info.local_rank, info.local_world_size)
@@ -106,17 +114,11 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
 
 def _job(cfg, info, host):
     """Model, optimiser, gradient sync and an endless batch stream, built as ``brickyard train`` builds them."""
-    from brickyard.api import build_model
-    from brickyard.training.setup import grad_sync
-    from brickyard.data import build_data
-    from brickyard.data.augment import DevicePrep
-    from brickyard.data.loaders import make_train_loader
-    from brickyard.optim import build_optimizer, param_groups
 
     t, device = cfg.train, host.device
     data = build_data(cfg.data)
     torch.manual_seed(t.seed)
-    model = build_model(cfg, data).to(device, memory_format=torch.channels_last if host.channels_last else torch.preserve_format)
+    model = models.build(cfg, data).to(device, memory_format=torch.channels_last if host.channels_last else torch.preserve_format)
     optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     fwd, sync = grad_sync(cfg.dist, model, device, own_cores=host.own_cores) if info.distributed else (model, gradsync.GradSync())
     loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
@@ -252,7 +254,6 @@ def scaling_table(results: list[tuple[str, dict]]) -> tuple[str, list[dict]]:
 
 
 def plot_scaling(rows: list[dict], path: Path) -> None:
-    from brickyard.observe.plots import scaling
     scaling([r["world_size"] for r in rows], [r["images_per_second"] for r in rows],
             [100 * r["efficiency"] for r in rows], path)
 
@@ -260,8 +261,6 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
 def run_job(args, cfg, spec: str, nodes=None) -> dict:
     """Run one device spec as its own process(es) and return rank 0's result; with ``nodes`` (a
     ``launch.Job`` of several machines) as one torchrun job across them."""
-    import subprocess
-    import tempfile
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "result.json"
         argv = [sys.executable, "-m", "brickyard", "bench"] + ([args.config] if args.config else [])

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from brickyard import models
 from brickyard.errors import BrickyardError
+from brickyard.training import checkpoint as ckpt
 
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2"}
 _META = "brickyard.json"
@@ -39,11 +41,10 @@ class Normalised(nn.Module):
 
 def export(source, fmt: str, out: Path | None = None) -> Path:
     """Write ``source`` (a checkpoint or run directory) as ``fmt``; returns the file written."""
-    from brickyard.api import _pick_checkpoint, load_checkpoint_model
     if fmt not in FORMATS:
         raise BrickyardError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
-    path = _pick_checkpoint(Path(source))
-    model, state, _ = load_checkpoint_model(path)
+    path = ckpt.pick(Path(source))
+    model, state, _ = ckpt.load_model(path)
     model.eval()
     meta = {k: state["meta"].get(k) for k in ("name", "classes", "mean", "std", "image_size", "in_channels", "num_classes")}
     meta.update(registry=True, format=fmt, step=state["step"])
@@ -76,7 +77,7 @@ def export(source, fmt: str, out: Path | None = None) -> Path:
 
 def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # optional dependency
     except ImportError:
         raise BrickyardError("--format safetensors needs the safetensors package (pip install safetensors).") from None
     tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
@@ -92,12 +93,11 @@ def is_exported(path) -> bool:
 
 def load_exported(path) -> tuple[nn.Module, dict]:
     """The model (or program) in an exported file and its metadata; a file of another kind is one sentence."""
-    from brickyard import models
     path = Path(path)
     extra = {_META: ""}
     try:
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
+            from safetensors import safe_open  # optional dependency
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get(_META, "{}"))
                 tensors = {k: f.get_tensor(k) for k in f.keys()}

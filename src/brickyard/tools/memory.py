@@ -13,8 +13,12 @@ import re
 import torch
 import torch.nn.functional as F
 
-from brickyard.training import device as dev
+from brickyard import models
+from brickyard.data.augment import DevicePrep
+from brickyard.data.loaders import device_batches
 from brickyard.errors import BrickyardError
+from brickyard.optim import build_optimizer, param_groups
+from brickyard.training import device as dev
 
 STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -123,7 +127,6 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
 
 def device_batch(cfg, world: int) -> int:
     """The largest per-device batch a step of ``cfg`` takes on ``world`` processes (1 for ``auto``)."""
-    from brickyard.data.loaders import device_batches
     if cfg.data.batch_size == "auto" and not cfg.data.global_batch_size:
         return 1
     return max(device_batches(cfg.data, cfg.train.grad_accum, world))
@@ -201,9 +204,6 @@ def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: i
 
 def measure_cuda_step(cfg, data, device) -> int:
     """Peak ``max_memory_allocated`` of two real training steps at the configured batch."""
-    from brickyard import models
-    from brickyard.data.augment import DevicePrep
-    from brickyard.optim import build_optimizer, param_groups
     torch.cuda.reset_peak_memory_stats(device)
     precision = dev.resolve_precision(cfg.train.precision, device)
     cl = dev.resolve_channels_last(cfg.train.channels_last, precision, device)

@@ -6,13 +6,18 @@ intensities; both are then normalised with the training mean/std saved in the ch
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from brickyard.errors import BrickyardError, DataError
 from brickyard.observe.inspection import forward_with_outputs
+from brickyard.tools.export import is_exported, load_exported
+from brickyard.training import checkpoint as ckpt
+from brickyard.training import device as dev
 
 
 def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list[str]]:
@@ -47,7 +52,6 @@ def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list
 
 
 def _read_image(path: Path, in_channels: int, image_size) -> torch.Tensor:
-    from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(path) as im:
             im = im.convert("L" if in_channels == 1 else "RGB").resize((image_size[1], image_size[0]), Image.BILINEAR)
@@ -73,8 +77,6 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dic
     ``nn.Module`` (then inputs are used as given).
     ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
     """
-    from brickyard.training import device as dev
-    from brickyard.tools.export import is_exported, load_exported
     meta = {}
     if isinstance(model_or_checkpoint, torch.nn.Module):
         model = model_or_checkpoint
@@ -84,8 +86,7 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dic
             raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
                                  f"safetensors export.")
     else:
-        from brickyard.api import load_checkpoint_model
-        model, state, _ = load_checkpoint_model(model_or_checkpoint)
+        model, state, _ = ckpt.load_model(model_or_checkpoint)
         meta = state.get("meta", {})
     if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], (str, Path)):
         x, _ = load_inputs(inputs, meta.get("in_channels", 1), meta.get("image_size", (28, 28)))
@@ -118,7 +119,6 @@ def write(result: dict, names: list[str], outputs, fmt: str, out: Path | None) -
             raise BrickyardError("--format npz needs --out FILE.npz.")
         np.savez(out, inputs=np.array(names), **{k: v.numpy() for k, v in result.items()})
         return None
-    import json
     doc = {
         "inputs": names,
         "predicted": result["predicted"].tolist(),

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from brickyard import models
+from brickyard.config import Config, build
 from brickyard.errors import CheckpointError
 
 _STEP = re.compile(r"^step-(\d+)\.pt$")
@@ -130,3 +132,32 @@ class CheckpointManager:
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
         return path
+
+
+def pick(path: Path) -> Path:
+    """A run directory (or its ``checkpoints/``) stands for its ``best.pt``, else its newest step."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if (folder / "best.pt").is_file():
+        return folder / "best.pt"
+    steps = step_checkpoints(folder)
+    if not steps:
+        raise CheckpointError(f"{path} is a folder with no checkpoint (best.pt or step-N.pt) in it.")
+    return steps[-1]
+
+
+def load_model(path) -> tuple[torch.nn.Module, dict, Config]:
+    """Rebuild a registry model from a brickyard checkpoint (a file or a run directory); returns
+    (model, state, config)."""
+    path = pick(Path(path))
+    state = load(path)
+    meta = state.get("meta", {})
+    if not meta.get("registry"):
+        raise CheckpointError(f"checkpoint {path} holds a user model ({meta.get('name')}); rebuild it in Python and load state['model'].")
+    cfg = build(state["config"])
+    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
+    check_model(state, model, Path(path))
+    model.load_state_dict(state["model"])
+    return model, state, cfg

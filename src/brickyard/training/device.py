@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import sys
 from dataclasses import dataclass
 
@@ -113,7 +114,7 @@ def tune_allocator() -> bool:
     training step page-faults and zeroes them again: measured here as most of the system time and a
     1.1-1.4x slower CPU step. Raising the mmap and trim thresholds and padding the heap keeps them;
     the cost is that the process's resident memory stays at its peak. Linux with glibc only."""
-    import ctypes
+    import ctypes  # only for glibc's mallopt, on Linux
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -152,5 +153,4 @@ def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    import platform
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"

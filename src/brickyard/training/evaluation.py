@@ -6,13 +6,13 @@ import time
 import torch
 from torch import nn
 
-from brickyard.training import device as dev
 from brickyard.data import Split
 from brickyard.data.loaders import eval_batches
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
 from brickyard.observe.plots import plot_runs
 from brickyard.observe.runlog import write_json
+from brickyard.training import device as dev
 
 
 def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,

@@ -12,6 +12,7 @@ import torch
 
 from brickyard.distributed.process import is_comm_failure
 from brickyard.errors import BrickyardError
+from brickyard.tools import memory
 
 
 def explain(e: BaseException, cfg, model, data, device: torch.device, info, log, heartbeat, log_dir) -> BaseException:
@@ -42,7 +43,6 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
 
 
 def oom_error(cfg, model, data, device, info) -> BrickyardError:
-    from brickyard.tools import memory
     if device.type == "cuda":
         torch.cuda.empty_cache()
     try:

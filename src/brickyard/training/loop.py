@@ -34,8 +34,8 @@ from brickyard.data.loaders import check_readers
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, CheckpointError
-from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
 from brickyard.observe.logs import Logger
+from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
 from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev

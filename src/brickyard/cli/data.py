@@ -1,0 +1,57 @@
+"""``brickyard data``."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from brickyard.errors import BrickyardError
+
+EXAMPLES = """examples:
+  brickyard data fetch mnist
+  brickyard data info fashion-mnist
+  brickyard data export mnist digits/      # then: --set data.name=imagefolder --set data.root=digits
+"""
+
+
+def add(sub) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    d = sub.add_parser("data", help="fetch or describe a data set", epilog=EXAMPLES, formatter_class=raw)
+    dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
+    for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds"),
+                      ("export", "write a data set as a PNG image folder (train/, val/, test/)")):
+        a = dsub.add_parser(name, help=doc)
+        a.add_argument("name", help="mnist or fashion-mnist")
+        if name == "export":
+            a.add_argument("out", metavar="DIR", help="folder to write")
+            a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split")
+        a.add_argument("--root", help="folder holding the data set's files")
+
+
+def run(args) -> int:
+    # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
+    from brickyard.data import idx
+    if args.data_command is None:
+        raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
+    if args.name not in idx.SPECS:
+        raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
+    if args.data_command == "export":
+        from brickyard.data.export import export_idx
+        counts = export_idx(args.name, Path(args.out), args.root, args.limit)
+        print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} PNG images to {args.out}")
+        return 0
+    if args.data_command == "fetch":
+        arrays = idx.load_idx(args.name, args.root, allow_download=True)
+        print(f"{args.name}: {len(arrays['train-labels-idx1-ubyte']):,} train + "
+              f"{len(arrays['t10k-labels-idx1-ubyte']):,} test images verified in {idx.locate(args.name, args.root)}")
+        return 0
+    folder = idx.locate(args.name, args.root)
+    print(f"{args.name}: classes {', '.join(idx.classes(args.name))}")
+    print(f"looked up in: {', '.join(str(d) for d in idx.candidate_dirs(args.name, args.root))}")
+    if folder is None:
+        print("not present; `brickyard data fetch` downloads it")
+        return 1
+    arrays = idx.load_idx(args.name, args.root, allow_download=False)
+    tr, te = arrays["train-images-idx3-ubyte"], arrays["t10k-images-idx3-ubyte"]
+    print(f"found in {folder}: train {tuple(tr.shape)} uint8, test {tuple(te.shape)} uint8 (checksums verified)")
+    print("default split: train 50,000 / val 10,000 / test 10,000 (data.train_on_all: true trains on 60,000)")
+    return 0

@@ -1,0 +1,26 @@
+"""``brickyard eval``."""
+from __future__ import annotations
+
+import argparse
+import json
+
+EXAMPLES = """examples:
+  brickyard eval runs/mnist-20261121-120000/checkpoints/best.pt
+  brickyard eval runs/a/checkpoints/step-0000782.pt --split val
+"""
+
+
+def add(sub) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    e = sub.add_parser("eval", help="evaluate a checkpoint", epilog=EXAMPLES, formatter_class=raw)
+    e.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
+    e.add_argument("--split", choices=("val", "test", "train"), default="test")
+    e.add_argument("--device", default="auto")
+
+
+def run(args) -> int:
+    # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
+    from brickyard.api import evaluate_checkpoint
+    r = evaluate_checkpoint(args.checkpoint, args.split, args.device)
+    print(json.dumps(r))
+    return 0

@@ -1,0 +1,59 @@
+"""``brickyard train``."""
+from __future__ import annotations
+
+import argparse
+
+from brickyard.config import load_config, resume_config
+from brickyard.distributed import env as dist
+from brickyard.launch import torchrun as launch
+
+EXAMPLES = """examples:
+  brickyard train                                   # the default preset (mnist), best device
+  brickyard train mnist-course                      # the classic course recipe
+  brickyard train my.yaml --set optim.lr=0.05 --set data.batch_size=256
+  brickyard train mnist --device cpu --run-dir runs/a --resume auto
+  brickyard train mnist --devices cpu:2             # 2 processes, gloo all-reduce
+  brickyard train mnist --devices 0,1 --log-dir logs  # one process per listed GPU
+"""
+
+
+def add(sub) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    t = sub.add_parser("train", help="train a model", epilog=EXAMPLES, formatter_class=raw)
+    t.add_argument("config", nargs="?", default=None, help="a preset name or a YAML file (default: mnist)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. optim.lr=0.05 (repeatable)")
+    t.add_argument("--device", help="auto, cpu, cuda or cuda:N (same as --set train.device=...)")
+    t.add_argument("--run-dir", help="run directory (default runs/<preset>-<timestamp>)")
+    t.add_argument("--resume", metavar="auto|PATH", help="continue from the newest valid checkpoint or a file")
+    t.add_argument("--devices", metavar="SPEC", help="cpu, cpu:N, cuda, all, or GPU ids like 0,1,2,3")
+    t.add_argument("--log-dir", help="folder for workerlog.N files (default RUN_DIR/logs)")
+    t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
+    t.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (MIN:MAX: elastic, needs --max-restarts)")
+    t.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous (default: the machine that owns --master's address)")
+    t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
+
+
+def run(args) -> int:
+    overrides = list(args.overrides)
+    if args.device:
+        overrides.append(f"train.device={args.device}")
+    cfg = load_config(args.config or "mnist", overrides)
+    if args.resume and args.run_dir:
+        cfg = resume_config(args.run_dir, args.config, overrides)
+    launch.process_env(cfg)
+    if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
+        return launch.launch(args, cfg)
+    # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
+    from brickyard import api
+    run_dir = args.run_dir or str(_default_run_dir(cfg))
+    summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
+    if dist.from_env().is_main:
+        from brickyard.observe.runlog import print_result
+        print_result(summary)
+    return 0
+
+
+def _default_run_dir(cfg):
+    from brickyard.observe.runlog import default_run_dir  # lazy: imports torch (cli/main.py: start-up time)
+    return default_run_dir(cfg.preset)

@@ -1,0 +1,46 @@
+"""``Split`` (tensors or a Dataset) and ``DataBundle`` (train / val / test splits and what describes them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Split:
+    images: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    dataset: torch.utils.data.Dataset | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels) if self.labels is not None else len(self.dataset)
+
+    def as_dataset(self) -> torch.utils.data.Dataset:
+        if self.dataset is not None:
+            return self.dataset
+        return torch.utils.data.TensorDataset(self.images, self.labels)
+
+
+@dataclass
+class DataBundle:
+    name: str
+    train: Split
+    val: Split | None
+    test: Split | None
+    num_classes: int
+    in_channels: int
+    image_size: tuple[int, int]
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    classes: list[str] = field(default_factory=list)
+
+    sample_shape: tuple = ()  # one input's shape; C x H x W for images
+
+    @property
+    def in_memory(self) -> bool:
+        return self.train.images is not None
+
+    @property
+    def is_images(self) -> bool:
+        """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
+        return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2

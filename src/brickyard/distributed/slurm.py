@@ -1,0 +1,68 @@
+"""Everything Slurm-specific, in one place: the environment variables ``srun`` sets for each task.
+
+Contract (one task per process, started by ``srun``): the rank, world size and local rank come from
+``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` (with ``SLURM_NODEID`` and
+``SLURM_TASKS_PER_NODE`` for the processes on this node), and, when ``MASTER_ADDR`` is not set, the
+master is the first host of ``SLURM_JOB_NODELIST`` (expanded as Slurm writes it, ``node[01-03,07]``)
+on port ``MASTER_PORT`` or 15000 + the last four digits of the job id. As Lightning's
+``plugins/environments/slurm.py``, read from the environment only; no ``scontrol`` call.
+"""
+from __future__ import annotations
+
+from brickyard.errors import BrickyardError
+
+
+def from_slurm(env, make):
+    """``make(rank, local_rank, world, local_world, master=...)`` (a ``DistInfo``) from Slurm's variables."""
+    world = int(env["SLURM_NTASKS"])
+    per_node = slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world))
+    node = int(env.get("SLURM_NODEID", 0))
+    local_world = per_node[node] if node < len(per_node) else per_node[-1]
+    master = None
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_STEP_NODELIST")
+        if not nodelist:
+            raise BrickyardError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
+                                 "to find rank 0; run it with srun inside an allocation.")
+        port = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0))
+        master = (slurm_hosts(nodelist)[0], int(port))
+    return make(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), world, local_world, master=master)
+
+
+def slurm_hosts(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: ``node[01-03,07],gpu5`` -> node01, node02, node03, node07, gpu5
+    (zero padding kept; several bracket groups in one name multiply: ``r[1-2]n[1-2]``)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            break
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i].strip())
+            start = i + 1
+    if depth != 0 or not all(items):
+        raise BrickyardError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
+    return [host for item in items for host in _expand_one(item, nodelist)]
+
+
+def _expand_one(item: str, nodelist: str) -> list[str]:
+    if "[" not in item:
+        return [item]
+    head, _, rest = item.partition("[")
+    body, _, tail = rest.partition("]")
+    numbers = []
+    for part in body.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
+            raise BrickyardError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
+        numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+    return [head + n + t for n in numbers for t in _expand_one(tail, nodelist)]
+
+
+def slurm_tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) -> tasks of each node in order: [2, 2, 2, 1]."""
+    out = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * int(times.rstrip(")") or 1)
+    return out
