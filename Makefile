@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15
 
-bench: $(VENV)/.installed  ## targets 1-3 of the performance issue, about 8 minutes on 2 cores
+bench: $(VENV)/.installed  ## overhead, time to 99% and the course recipe (docs/benchmarks.md), about 8 minutes on 2 cores
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/time_to_accuracy.py
 	$(PY) benchmarks/course_recipe.py

@@ -1,4 +1,4 @@
-"""Target 3 of the performance issue: the course recipe through brickyard vs the course's own way.
+"""The course recipe through brickyard against the course's own way.
 
 The course's way: a Python generator that builds every batch of 100 from per-sample numpy arrays
 (a list of 28x28 float arrays, stacked per batch), the course network, plain SGD lr 0.01, fp32.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU path of brickyard in one go, for a machine with CUDA (and the figures the performance
-# issue asks for on a GPU). Prints everything and keeps a copy in OUT/gpu_check.log.
+# Every GPU path of brickyard in one go, for a machine with CUDA (and the GPU figures of
+# docs/benchmarks.md). Prints everything and keeps a copy in OUT/gpu_check.log.
 #
 #   bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to runs/gpu-check
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_EPOCHS=0.1 GPU_CHECK_ROUNDS=2 GPU_CHECK_RUNS=1 bash benchmarks/gpu_check.sh /tmp/x
@@ -9,7 +9,7 @@
 # Runs from a checkout without installing (PYTHONPATH=src); MNIST comes from $BRICKYARD_DATA or is
 # downloaded. Steps: 1 epoch at fp32, bf16 and fp16 (GradScaler) on one GPU; torchrun + NCCL with
 # one process per GPU (2 when there are 2; the parameter server on 3); `brickyard bench` scaling; `brickyard memory` estimate
-# vs the measured peak; targets 1 and 2 (overhead ratio, time to 99%).
+# vs the measured peak; the overhead ratio and the time to 99%.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-check}
@@ -64,8 +64,8 @@ else
 fi
 step "memory mnist" $PY -m brickyard memory mnist --devices $ONE
 step "memory resnet18 (synthetic data)" $PY -m brickyard memory fashion-resnet18 --devices $ONE --set data.name=synthetic
-step "target 1: overhead" $PY benchmarks/overhead.py --device "$DEVICE" --rounds "$ROUNDS"
-step "target 2: time to accuracy" $PY benchmarks/time_to_accuracy.py --runs "$TTA_RUNS" -- --device "$DEVICE"
+step "overhead" $PY benchmarks/overhead.py --device "$DEVICE" --rounds "$ROUNDS"
+step "time to accuracy" $PY benchmarks/time_to_accuracy.py --runs "$TTA_RUNS" -- --device "$DEVICE"
 rm -rf "$RUNS"
 echo; echo "gpu_check: $failed step(s) failed; log in $OUT/gpu_check.log"
 exit $((failed > 0))

@@ -1,4 +1,4 @@
-"""Target 1 of the performance issue: brickyard's training throughput vs a minimal hand-written loop.
+"""brickyard's training throughput against a minimal hand-written loop.
 
 Same model, batch, precision and in-memory data; the two are run interleaved (hand, brickyard,
 hand, brickyard, ...) so drifts of the machine hit both, and the ratio of the median throughputs

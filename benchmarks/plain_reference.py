@@ -1,4 +1,4 @@
-"""The reference for target 2 of the performance issue: a tuned plain PyTorch script, no brickyard.
+"""The time-to-accuracy reference: a tuned plain PyTorch script, no brickyard.
 
 It trains the default preset's recipe the way a careful person writes it by hand: MNIST decoded once
 into a `.npy` cache, in-memory batches sliced from a shuffled tensor, channels_last, bf16 autocast

@@ -1,4 +1,4 @@
-"""Target 2 of the performance issue: `brickyard train` (default preset) from process start to the
+"""Time to accuracy: `brickyard train` (default preset) from process start to the
 printed result — import time, data loading, training, evaluation, plots, all counted.
 
 Each run is interleaved with `benchmarks/plain_reference.py`, a tuned plain PyTorch script of the

@@ -33,3 +33,9 @@ def user_code_error(where: str, err: BaseException) -> UserCodeError:
     """``raise user_code_error("callback Boom.on_step_end", e) from e`` inside an ``except`` block."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
     return UserCodeError(f"{where} raised {type(err).__name__}: {text}.").with_traceback(err.__traceback__)
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """An error that says a collective lost its peers (a timeout, a closed connection) rather than a bug."""
+    text = str(e).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))

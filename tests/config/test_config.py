@@ -74,12 +74,12 @@ def test_reference_rows_cover_all_sections():
         assert any(k.startswith(section) for k in keys)
 
 
-def test_readme_configuration_table_is_generated_from_the_schema():
+def test_configuration_reference_is_generated_from_the_schema():
     from pathlib import Path
     from brickyard.config import TABLE_END, TABLE_START, describe, markdown_table
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     shown = readme[readme.index(TABLE_START):readme.index(TABLE_END) + len(TABLE_END)]
-    assert shown == markdown_table(), "README's table differs: run `python -m brickyard.config README.md`"
+    assert shown == markdown_table(), "docs/configuration.md's table differs: run `python -m brickyard.config docs/configuration.md`"
     assert all(f"| `{key}` |" in shown for key, _, _ in describe())  # every key, data.cache and optim.l1 included
 
 

@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from brickyard.distributed.process import is_comm_failure
-from brickyard.errors import BrickyardError, ConfigError, user_code_error
+from brickyard.errors import BrickyardError, ConfigError, is_comm_failure, user_code_error
 
 HOOKS = ("on_train_start", "on_epoch_start", "on_step_start", "on_before_update", "on_step_end",
          "on_validation_start", "on_validation_end", "on_checkpoint", "on_epoch_end", "on_loop_end", "on_train_end")

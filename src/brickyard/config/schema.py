@@ -96,7 +96,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: str = _opt("onecycle", choices=("constant", "step", "cosine", "onecycle", "warmup_linear"))
+    name: str = _opt("onecycle", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "none"),
+                     doc="none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
     warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant)")
     lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
     lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")

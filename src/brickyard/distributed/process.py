@@ -178,9 +178,3 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
-
-
-def is_comm_failure(e: BaseException) -> bool:
-    """An error that says a collective lost its peers (a timeout, a closed connection) rather than a bug."""
-    text = str(e).lower()
-    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo"))

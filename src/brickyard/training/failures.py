@@ -10,8 +10,7 @@ import re
 
 import torch
 
-from brickyard.distributed.process import is_comm_failure
-from brickyard.errors import BrickyardError
+from brickyard.errors import BrickyardError, is_comm_failure
 from brickyard.tools import memory
 
 

@@ -111,8 +111,11 @@ def optimizer_step(run, batches) -> torch.Tensor:
         e.totals.add(loss_sum, out, y)
     e.grad_sync()
     e.callbacks.on_before_update(run)
-    run.lr = e.schedule(run.step)
-    set_lr(run.optimizer, run.lr)
+    if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
+        run.lr = run.optimizer.param_groups[0]["lr"]
+    else:
+        run.lr = e.schedule(run.step)
+        set_lr(run.optimizer, run.lr)
     if t.grad_clip:
         e.scaler.unscale_(run.optimizer)
         nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], t.grad_clip)
