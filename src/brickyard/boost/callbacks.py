@@ -11,8 +11,9 @@ from brickyard.errors import BrickyardError
 class Snapshotting(Callback):
     """Stage 1 of dimension-reduction training: flattened trainable weights every ``every`` steps from
     ``start_epoch`` on (``every_steps: auto`` spreads ``keep`` snapshots over that stretch; 0: at each
-    epoch end); the initial weights start the trajectory. Too few snapshots for the subspace is one
-    sentence before the first step."""
+    epoch end); the initial weights start the trajectory when ``start_epoch`` is 0 or ``include_init``
+    is on (then they are kept whatever ``keep`` drops, as the authors' PCA includes ``0.pt``). Too few
+    snapshots for the subspace is one sentence before the first step."""
 
     def __init__(self, snaps, cfg, n_components: int, params):  # snaps: None on ranks other than 0 (they check only)
         self.snaps, self.cfg, self.n_components, self.params = snaps, cfg, n_components, params
@@ -26,12 +27,13 @@ class Snapshotting(Callback):
         self.every = every or run.steps_per_epoch
         lo = max(start, 1)
         multiples = max(0, run.total_steps // self.every - (lo - 1) // self.every)
-        taken = min(self.cfg.keep, multiples + (1 if start == 0 else 0))  # with the initial weights
+        init = start == 0 or self.cfg.include_init
+        taken = min(self.cfg.keep + (1 if self.cfg.include_init else 0), multiples + (1 if init else 0))
         if taken <= self.n_components:
             raise BrickyardError(f"boost.snapshots: {taken} snapshot(s) over steps {start}..{run.total_steps} (every "
                                  f"{self.every}) cannot give boost.dim_reduce.n_components={self.n_components} components; "
                                  f"train longer, set boost.snapshots.every_steps lower (or auto), or use fewer components.")
-        if run.step == 0 and start == 0 and self.snaps is not None:
+        if run.step == 0 and init and self.snaps is not None:
             self.snaps.save(0, self.params)
 
     def on_step_end(self, run, loss):

@@ -1,4 +1,5 @@
-"""Dimension-reduction training (MindSpore Boost's "dim_reduce"; Li et al., TPAMI 2022).
+"""Dimension-reduction training (Li et al., "Low Dimensional Trajectory Hypothesis is True: DNNs can be
+Trained in Tiny Subspaces", TPAMI 2022), in two implementations of stage 2, each as its source does it.
 
 Stage 1 trains normally and saves *snapshots* of the flattened trainable parameters (batch-norm
 running statistics are buffers, not parameters, so they are not included). The subspace is the
@@ -6,29 +7,51 @@ span of the top ``n_components`` principal directions of the centred N x M snaps
 found with a randomized SVD (``torch.svd_lowrank``: never an M x M matrix). ``P`` (n x M) has
 orthonormal rows.
 
-Stage 2, each step (``DimReduce.step``), with g the full gradient (already averaged across ranks
-by DDP) and L0 the loss averaged across ranks:
+Stage 2 replaces the optimiser. Each step, with g the full gradient (averaged across ranks) and L0
+the batch loss (averaged across ranks, exactly), gk = P g, d = -B gk (B: the n x n inverse-Hessian
+estimate, starting as I), BFGS updates of B from the pair (s, y = gk - g_prev) when y.s > 1e-20, an
+Armijo line search on the same batch (L(w + t P^T d) < L0 + sigma t gk.d), and residual momentum
+outside the subspace, m = gamma m + (g - P^T gk); the weights move to w + t P^T d - alpha m. The two
+methods differ in the line search and in what a failed search leaves behind:
 
-1. gk = P g; from the second step on, y = gk - g_prev, s = the last low-dim step that passed the
-   line search, and when y.s > 1e-20 the inverse-Hessian estimate B (n x n, starts as I) gets a
-   BFGS update; g_prev = gk.
-2. d = -B gk, dn = P^T d.
-3. Armijo backtracking on the same batch: t = 1, rho, rho^2 (``max_search`` = 3 tries, as the
-   reference); the first t with L(w + t dn) < L0 + sigma t gk.d passes and sets s = t d. When none
-   passes, the last t (rho^2) is taken all the same and s keeps the last step that passed (the
-   reference, ``DimReduce._line_search`` / ``_find_rho``). Trial forwards run in training mode and
-   restore batch-norm statistics afterwards.
-4. Residual momentum outside the subspace: m = gamma m + (g - P^T P g).
-5. w = w + t dn - alpha m.
+``method: mindspore`` — MindSpore's ``mindspore/python/mindspore/boost/dim_reduce.py`` (read at commit
+92e3ba5f): ``_set_rho_list`` sets ``max_search_time = 2`` and ``rho_list = [1, rho, 0]``, so the sizes 1
+and rho (0.55) are tried; ``_line_search`` starts from ``rho_list[-1]``, which is 0: when neither passes,
+**no subspace step is taken** (the residual-momentum part of the update still happens). ``construct``
+saves ``gk_last`` and ``bk`` before the BFGS update (``gk_last_back``, ``bk_back``) and puts them back
+``if not find``; ``_find_rho`` writes ``sk`` only when a size passes. ``_apply_quasi_newton_update``
+skips the BFGS update on the first step (``gk_last_init``) and then sets ``gk_last = gk``. Defaults:
+rho 0.55, sigma 0.4, gamma 0.9, alpha 0.001. Another revision of the file (commit 38b2d942) tries 1,
+rho, rho^2, takes rho^2 when none passes and keeps the BFGS update; brickyard 0.1 followed that one,
+and its stage 2 diverged on small nets (non-finite within 10 steps: docs/benchmarks.md).
 
-Data parallel: every rank holds the same P, B, g_prev, s and m and computes the same
-low-dimensional quantities from the same averaged gradient; what is communicated per step is
-DDP's gradient all-reduce plus one all-reduce of a scalar loss per trial point (and one for L0).
+``method: dldr`` — the paper authors' ``train_pbfgs.py`` (GitHub nblt/DLDR, ``P_plus_BFGS``, and
+``run.sh``): backtracking with rho 0.4 up to ``search_times_MAX = 20`` times; ``sk`` is the step
+actually taken (``sk *= rho`` per backtrack; when no size passes, rho^20 d is taken); ``gk_last = gk``
+every step; BFGS whenever y.s > 1e-20; ``alpha`` 0 (``--alpha`` default), gamma 0.9, sigma 0.4. Stage 2
+may start from the initial weights (``--params_start 0``: the PCA includes ``0.pt``, the initial
+weights), with a batch of its own (``run.sh``: 1024 for CIFAR).
+
+Deliberate differences, both methods: the parameters are updated directly (``w + t dn - alpha m``)
+instead of through an optimiser at rate 1 given the negated step (the same arithmetic: MindSpore's
+``AutoBoost.network_auto_process_train`` in ``boost/boost.py`` puts ``SGD(network.trainable_params(),
+learning_rate=1)`` in place of the user's optimiser; DLDR builds ``optim.SGD(lr=1, momentum=0)``); ``P`` is held whole
+on every rank instead of split by rows across ranks (the same ``gk``; one matrix-vector product
+instead of an all-gather); trial forwards run in training mode and restore batch-norm statistics
+afterwards (DLDR reloads the whole state dict, MindSpore's cell does not touch them); the loss is
+averaged across ranks by exact division — MindSpore's multi-device path computes
+``allreduce(loss) // rank_size``, a floor division on both sides of the Armijo test, which looks like a
+bug rather than a design (it rounds a loss of 0.7 to 0.0) and is not copied.
+
+Data parallel: every rank holds the same P, B, g_prev, s and m and computes the same low-dimensional
+quantities from the same averaged gradient; what is communicated per step is the gradient all-reduce
+plus one all-reduce of a scalar loss per trial point (and one for L0).
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -50,14 +73,16 @@ _SNAP = re.compile(r"^snap-(\d+)\.pt$")
 
 
 class Snapshots:
-    """Saves ``snap-<step>.pt`` (one flat float32 vector and the parameter names) and keeps the last N."""
+    """Saves ``snap-<step>.pt`` (one flat float32 vector and the parameter names) and keeps the last N;
+    with ``keep_init`` the initial weights' snapshot (step 0) is kept besides them."""
 
-    def __init__(self, folder: Path, keep: int, names: list[str]):
-        self.folder, self.keep, self.names = Path(folder), keep, names
+    def __init__(self, folder: Path, keep: int, names: list[str], keep_init: bool = False):
+        self.folder, self.keep, self.names, self.keep_init = Path(folder), keep, names, keep_init
 
     def save(self, step: int, params) -> None:
         save_atomic({"step": step, "names": self.names, "w": flat_params(params).float().cpu()}, self.folder / f"snap-{step:07d}.pt")
-        for old in self.files()[:-self.keep]:
+        rolling = [f for f in self.files() if not (self.keep_init and f.name == "snap-0000000.pt")]
+        for old in rolling[:-self.keep]:
             old.unlink(missing_ok=True)
 
     def files(self) -> list[Path]:
@@ -147,17 +172,23 @@ def bfgs_update(B: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return left @ B @ left.T + rho * torch.outer(s, s)
 
 
+METHODS = {  # each source's defaults (module docstring)
+    "mindspore": {"rho": 0.55, "alpha": 0.001, "max_search": 2},
+    "dldr": {"rho": 0.4, "alpha": 0.0, "max_search": 20},
+}
+
+
+def method_settings(dr) -> SimpleNamespace:
+    """``boost.dim_reduce`` with the method's defaults filled in where a key is left unset (None)."""
+    base = METHODS[dr.method]
+    pick = {k: (getattr(dr, k) if getattr(dr, k) is not None else v) for k, v in base.items()}
+    return SimpleNamespace(method=dr.method, sigma=dr.sigma, gamma=dr.gamma, **pick)
+
+
 class DimReduce:
-    """Stage 2, as MindSpore's ``boost.DimReduce`` does it (see the module docstring for the equations).
-
-    ``failed_search: skip`` is brickyard's option, not the reference's: when no step size passes, no
-    subspace step is taken (the residual momentum still moves). With the reference's ``take``, stage 2
-    of the course network on MNIST diverged within 10 steps here (benchmarks/dim_reduce.py).
-
-    Where this differs from the reference, on purpose: the parameters are updated directly
-    (``w + t dn - alpha m``) instead of through an optimiser cell given ``-delta`` with rate 1 (the same
-    arithmetic), and ``P`` is held whole on every rank instead of split by rows across ranks (the
-    same ``gk``; one matrix-vector product instead of an all-gather)."""
+    """Stage 2: P-BFGS in the subspace, as ``method`` (``mindspore`` or ``dldr``) does it; the module
+    docstring states both and the source lines they follow. ``cfg`` has ``method``, ``rho``, ``sigma``,
+    ``gamma``, ``alpha`` and ``max_search`` (``method_settings``)."""
 
     def __init__(self, params: list[torch.Tensor], P: torch.Tensor, cfg):
         self.params, self.cfg = params, cfg
@@ -165,7 +196,8 @@ class DimReduce:
         self.P = P.to(device=device, dtype=torch.float32)
         n, m = self.P.shape
         self.B = torch.eye(n, device=device)
-        self.g_prev: torch.Tensor | None = None
+        self.g_prev = torch.zeros(n, device=device)  # MindSpore's gk_last starts at zeros
+        self.started = False                         # MindSpore's gk_last_init; DLDR's gk_last is not None
         self.s = torch.zeros(n, device=device)
         self.m = torch.zeros(m, device=device)
         self.stats = Stage2Stats()  # for the log; not part of the method's state
@@ -179,41 +211,68 @@ class DimReduce:
         return self.stats.total["passed"]
 
     def state_dict(self) -> dict:
-        return {"B": self.B, "g_prev": self.g_prev, "s": self.s, "m": self.m}
+        return {"B": self.B, "g_prev": self.g_prev, "started": self.started, "s": self.s, "m": self.m,
+                "method": self.cfg.method}
 
     def load_state_dict(self, state: dict) -> None:
-        self.B = state["B"].to(self.B.device)
-        self.g_prev = None if state["g_prev"] is None else state["g_prev"].to(self.B.device)
-        self.s, self.m = state["s"].to(self.B.device), state["m"].to(self.m.device)
+        dev = self.B.device
+        self.B, self.s, self.m = state["B"].to(dev), state["s"].to(dev), state["m"].to(dev)
+        self.g_prev = state["g_prev"].to(dev) if state.get("g_prev") is not None else torch.zeros_like(self.s)
+        self.started = bool(state.get("started", state.get("g_prev") is not None))
 
     def step(self, loss0: float, trial_loss) -> dict:
         """One stage-2 update; ``trial_loss()`` returns the rank-averaged loss at the current weights."""
-        c = self.cfg
         g = flat_grads(self.params).float()
         gk = self.P @ g
-        if self.g_prev is not None:  # BFGS with the last step that passed the test (s is kept otherwise)
-            self.B = bfgs_update(self.B, self.s, gk - self.g_prev)
-        self.g_prev = gk
-        d = -(self.B @ gk)
-        dn = self.P.T @ d
-        slope = float(gk @ d)
         w0 = flat_params(self.params)
-        sizes = [c.rho ** i for i in range(c.max_search)]
-        t, passed, loss_at = sizes[-1], False, None
-        for size in sizes:  # Armijo backtracking; when no size passes, the last one is taken all the same
+        search = self._mindspore if self.cfg.method == "mindspore" else self._dldr
+        t, passed, tries, loss_at = search(gk, w0, loss0, trial_loss)
+        self.m = self.cfg.gamma * self.m + (g - self.P.T @ gk)
+        set_flat(self.params, w0 + self.P.T @ (t * self._d) - self.cfg.alpha * self.m)
+        self.stats.add(t, passed, loss0, loss_at)
+        return {"t": t, "tries": tries, "accepted": passed, "loss_before": loss0, "loss_after": loss_at}
+
+    def _mindspore(self, gk, w0, loss0, trial_loss):
+        """``construct`` / ``_line_search`` / ``_find_rho`` / ``_apply_quasi_newton_update``: sizes 1 and rho;
+        none passing takes t = 0 and puts B and the previous gradient back; s is written on a pass only."""
+        c = self.cfg
+        g_prev_back, B_back = self.g_prev.clone(), self.B.clone()
+        if self.started:
+            self.B = bfgs_update(self.B, self.s, gk - self.g_prev)
+        self.started = True
+        self.g_prev = gk
+        d = self._d = -(self.B @ gk)
+        dn, slope = self.P.T @ d, float(gk @ d)
+        for i in range(c.max_search):
+            size = c.rho ** i
             set_flat(self.params, w0 + size * dn)
             loss_at = trial_loss()
-            if loss_at < loss0 + c.sigma * size * slope:
-                t, passed = size, True
+            if loss0 + c.sigma * size * slope > loss_at:
                 self.s = size * d
-                break
-        if not passed and getattr(c, "failed_search", "take") == "skip":
-            t, loss_at = 0.0, loss0  # brickyard's option, not the reference's: no subspace step on a failed search
-        self.m = c.gamma * self.m + (g - self.P.T @ gk)
-        set_flat(self.params, w0 + t * dn - c.alpha * self.m)
-        self.stats.add(t, passed, loss0, loss_at)
-        tries = sizes.index(t) + 1 if passed else len(sizes)
-        return {"t": t, "tries": tries, "accepted": passed, "loss_before": loss0, "loss_after": loss_at}
+                return size, True, i + 1, loss_at
+        self.g_prev, self.B = g_prev_back, B_back
+        return 0.0, False, c.max_search, loss0
+
+    def _dldr(self, gk, w0, loss0, trial_loss):
+        """``P_plus_BFGS``: backtracking by rho up to ``max_search`` times; s is the step taken (rho^max_search
+        d when none passes); the previous gradient moves every step."""
+        c = self.cfg
+        if self.started:
+            self.B = bfgs_update(self.B, self.s, gk - self.g_prev)
+        self.started = True
+        self.g_prev = gk
+        d = self._d = -(self.B @ gk)
+        dn, descent, size = self.P.T @ d, float(gk @ d), 1.0
+        for i in range(c.max_search):
+            set_flat(self.params, w0 + size * dn)
+            loss_at = trial_loss()
+            if loss_at < loss0 + c.sigma * descent:
+                self.s = size * d
+                return size, True, i + 1, loss_at
+            descent *= c.rho
+            size *= c.rho
+        self.s = size * d
+        return size, False, c.max_search, loss0
 
 
 class Stage2Stats:
@@ -232,7 +291,7 @@ class Stage2Stats:
         for d in (self.total, self.epoch):
             d["steps"] += 1
             d["passed"] += int(passed)
-            key = f"{t:.6g}"  # 0: a failed search skipped (failed_search: skip)
+            key = f"{t:.6g}"  # 0: mindspore's failed search, no subspace step
             d["sizes"][key] = d["sizes"].get(key, 0) + 1
             d["loss_before"] += before
             d["loss_after"] += after

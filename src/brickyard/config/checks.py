@@ -40,6 +40,13 @@ def cross_check(cfg) -> None:
                           f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
     if cfg.dist.grad_sync == "flat" and cfg.dist.sync_bn:
         raise ConfigError("dist.grad_sync: flat does not run SyncBatchNorm (dist.sync_bn: true); use dist.grad_sync: ddp or auto.")
+    dr = b.dim_reduce
+    if dr.rho is not None and not 0 < dr.rho < 1:
+        raise ConfigError(f"boost.dim_reduce.rho: {dr.rho} must be between 0 and 1 (the backtracking factor, e.g. 0.4).")
+    if dr.alpha is not None and dr.alpha < 0:
+        raise ConfigError(f"boost.dim_reduce.alpha: {dr.alpha} must be at least 0.")
+    if dr.max_search is not None and (isinstance(dr.max_search, bool) or not isinstance(dr.max_search, int) or dr.max_search < 1):
+        raise ConfigError(f"boost.dim_reduce.max_search: {dr.max_search} must be a whole number of at least 1.")
     if b.dim_reduce.enabled and cfg.dist.mode == "ps":
         raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
     stops = [k for k, on in (("train.early_stopping", cfg.train.early_stopping), ("train.max_time_s", cfg.train.max_time_s)) if on]

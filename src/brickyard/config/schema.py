@@ -71,6 +71,7 @@ class ModelConfig:
     name: str = _opt("mnist_fast", doc="a name from `brickyard models`")
     num_classes: int = _opt(0, min=0, doc="0 = from the data set")
     in_channels: int = _opt(0, min=0, doc="0 = from the data set")
+    patch_size: int = _opt(0, min=0, doc="vit_*: patch side in pixels (0 = auto: 4 for 28-32 px, 8 for 64 px, 16 for 224 px)")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class TrainConfig:
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
     channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
     compile: bool = _opt(False)
+    activation_checkpointing: Union[tuple, str] = _opt((), choices_str=("auto",), doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
     seed: int = _opt(0, min=0)
@@ -183,18 +185,20 @@ class SnapshotConfig:
     start_epoch: float = _opt(0.0, min=0.0, doc="first epoch to take snapshots in (0 includes the initial weights)")
     every_steps: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="steps between snapshots; auto: spread keep of them over the epochs from start_epoch on; 0 = once per epoch")
     keep: int = _opt(40, min=2, doc="snapshots kept (must exceed dim_reduce.n_components)")
+    include_init: bool = _opt(False, doc="the initial weights are the first snapshot also when start_epoch > 0 (stage 2 from the initial weights)")
 
 
 @dataclass(frozen=True)
 class DimReduceConfig:
     enabled: bool = _opt(False, doc="stage 2: P-BFGS in the subspace of the stage-1 trajectory")
+    method: str = _opt("dldr", choices=("dldr", "mindspore"), doc="the paper authors' P-BFGS (nblt/DLDR) or MindSpore Boost's; docs/dimension-reduction.md")
     n_components: int = _opt(32, min=1)
-    rho: float = _opt(0.55, min=0.0, max=1.0, doc="line-search backtracking factor")
+    rho: Union[float, None] = _opt(None, doc="line-search backtracking factor (default: dldr 0.4, mindspore 0.55)")
     sigma: float = _opt(0.4, min=0.0, max=1.0, doc="Armijo sufficient-decrease constant")
     gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
-    alpha: float = _opt(0.001, min=0.0, doc="residual momentum step size")
-    max_search: int = _opt(3, min=1, doc="line-search step sizes tried per step: 1, rho, rho^2 (the reference: 3)")
-    failed_search: str = _opt("take", choices=("take", "skip"), doc="when no step size passes the Armijo test: take the last (the reference) or skip the subspace step")
+    alpha: Union[float, None] = _opt(None, doc="residual momentum step size (default: dldr 0, mindspore 0.001)")
+    max_search: Union[int, None] = _opt(None, doc="line-search step sizes tried per step (default: dldr 20, mindspore 2)")
+    batch_size: int = _opt(0, min=0, doc="brickyard boost dim-reduce: stage 2's global batch (0 = data.global_batch_size)")
     snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
     pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
 
@@ -319,6 +323,8 @@ def _check(key: str, value: Any, tp, meta) -> Any:
     coerced = _coerce(value, allowed_types)
     if coerced is _BAD:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
+    if isinstance(coerced, str) and tuple in allowed_types and coerced not in (meta.get("choices_str") or ()):
+        coerced = (coerced,)  # one pattern where a list or a word is allowed: a list of one
     if isinstance(coerced, str) and meta.get("choices_str") and coerced not in meta["choices_str"]:
         raise ConfigError(f"{key}: {value!r} is not a number or one of {', '.join(meta['choices_str'])}.")
     choices = meta.get("choices")

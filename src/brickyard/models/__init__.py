@@ -1,9 +1,10 @@
-"""The model registry: ``@register`` names a factory ``f(num_classes, in_channels, image_size)``.
+"""The model registry: ``@register`` names a factory ``f(num_classes, in_channels, image_size, **options)``.
 
 Models are plain ``nn.Module``s; they know nothing of devices, ranks or logging.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from torch import nn
@@ -21,7 +22,7 @@ def register(name: str, doc: str):
 
 
 def _load_all():
-    from brickyard.models import resnet, small, vgg  # noqa: F401  (registration side effect)
+    from brickyard.models import resnet, small, vgg, vit  # noqa: F401  (registration side effect)
 
 
 def names() -> list[str]:
@@ -34,11 +35,24 @@ def describe(name: str) -> str:
     return _REGISTRY[name][1]
 
 
-def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28)) -> nn.Module:
+def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28),
+           **options) -> nn.Module:
+    """The model ``name``; ``options`` are the ``model.*`` keys a family takes (``patch_size`` for ViTs),
+    passed when set (not 0 or None)."""
     _load_all()
     if name not in _REGISTRY:
         raise ConfigError(f"model.name: {name!r} is not one of {', '.join(_REGISTRY)}.")
-    return _REGISTRY[name][0](num_classes=num_classes, in_channels=in_channels, image_size=tuple(image_size))
+    factory = _REGISTRY[name][0]
+    options = {k: v for k, v in options.items() if v}
+    takes = inspect.signature(factory).parameters
+    for key in options:
+        if key not in takes:
+            raise ConfigError(f"model.{key}: {name} does not take it (it applies to {', '.join(_takers(key))}).")
+    return factory(num_classes=num_classes, in_channels=in_channels, image_size=tuple(image_size), **options)
+
+
+def _takers(key: str) -> list[str]:
+    return [n for n, (f, _) in _REGISTRY.items() if key in inspect.signature(f).parameters]
 
 
 NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28),
@@ -58,4 +72,4 @@ def count_parameters(model: nn.Module) -> int:
 def build(cfg, data):
     """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``)."""
     return create(cfg.model.name, cfg.model.num_classes or data.num_classes,
-                  cfg.model.in_channels or data.in_channels, data.image_size)
+                  cfg.model.in_channels or data.in_channels, data.image_size, patch_size=cfg.model.patch_size)

@@ -8,6 +8,7 @@ framework workspaces (cuDNN), which is why the GPU check below compares against 
 """
 from __future__ import annotations
 
+import copy as copy_module
 import re
 
 import torch
@@ -18,6 +19,7 @@ from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import device_batches
 from brickyard.errors import BrickyardError
 from brickyard.optim import build_optimizer, param_groups
+from brickyard.training import activation_checkpointing
 from brickyard.training import device as dev
 
 STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
@@ -39,8 +41,10 @@ def fmt(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str) -> int:
-    """Bytes autograd saves for backward in one forward pass of ``x`` (counted once per storage)."""
+def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str,
+                     checkpointed=()) -> int:
+    """Bytes autograd saves for backward in one forward pass of ``x`` (counted once per storage), and the
+    inputs that ``checkpointed`` modules (activation checkpointing) keep for their recomputation."""
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -51,13 +55,38 @@ def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.devi
             seen[id(t)] = t.numel() * t.element_size()
         return t
 
+    def keep_inputs(module, args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                pack(a)
+
+    hooks = [m.register_forward_pre_hook(keep_inputs) for m in checkpointed]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with dev.autocast(device, precision):
-            loss = F.cross_entropy(model(x).float(), y)
-    loss.backward()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with dev.autocast(device, precision):
+                loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
     model.zero_grad(set_to_none=True)
     return sum(v for k, v in seen.items() if k not in params)
+
+
+def _activations_per_batch(model, data, channels_last: bool, precision: str, checkpointed=()) -> tuple[float, float]:
+    """(fixed, per sample) bytes of activations, measured on the CPU at two small batches, fitted linearly."""
+    probe = torch.device("cpu")
+    c, (h, w) = data.in_channels, data.image_size
+    sizes, acts = (2, 4), []
+    for b in sizes:
+        x = torch.randn(b, c, h, w)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        acts.append(activation_bytes(model, x, torch.zeros(b, dtype=torch.long), probe,
+                                     precision if precision != "fp16" else "bf16", checkpointed))
+    per_sample = max(0.0, (acts[1] - acts[0]) / (sizes[1] - sizes[0]))
+    return max(0.0, acts[0] - per_sample * sizes[0]), per_sample
 
 
 def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dict:
@@ -69,19 +98,19 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     grad_b = sum(p.numel() * p.element_size() for p in trainable)
     copies = STATE_COPIES[cfg.optim.name]
     state_b = copies * grad_b
-    # activations: measured on the CPU at two small batches, fitted linearly
-    probe = torch.device("cpu")
-    m = model.to(probe, memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
+    # activations: measured on the CPU at two small batches, fitted linearly; with activation
+    # checkpointing on, on a copy of the model with it applied, and without it for comparison
+    m = model.to(torch.device("cpu"), memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
+    plain = _activations_per_batch(m, data, channels_last, precision)
+    act_fixed, per_sample = plain
+    checkpointing = None
+    if activation_checkpointing.patterns_for(m, cfg.train.activation_checkpointing):
+        copy = copy_module.deepcopy(m)
+        names = activation_checkpointing.apply(copy, cfg.train.activation_checkpointing)
+        modules = dict(copy.named_modules())
+        act_fixed, per_sample = _activations_per_batch(copy, data, channels_last, precision, [modules[n] for n in names])
+        checkpointing = {"blocks": len(names), "without_per_sample": plain[1], "without_fixed": plain[0]}
     c, (h, w) = data.in_channels, data.image_size
-    sizes = (2, 4)
-    acts = []
-    for b in sizes:
-        x = torch.randn(b, c, h, w)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        acts.append(activation_bytes(m, x, torch.zeros(b, dtype=torch.long), probe, precision if precision != "fp16" else "bf16"))
-    per_sample = max(0.0, (acts[1] - acts[0]) / (sizes[1] - sizes[0]))
-    act_fixed = max(0.0, acts[0] - per_sample * sizes[0])
     batch = device_batch(cfg, world_size)
     act_b = act_fixed + per_sample * batch
     in_memory = data.in_memory and cfg.data.loader != "stream"
@@ -97,6 +126,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
         "activations": act_b, "activations_per_sample": per_sample, "batch_buffers": batch_b, "data_on_device": data_b,
         "loader_host_buffers": loader_b, "total": total, "batch": batch, "precision": precision,
         "per_sample_total": per_sample + 12 * sample_b, "fixed": fixed, "world_size": world_size,
+        "activation_checkpointing": checkpointing, "activations_fixed": act_fixed,
     }
 
 
@@ -115,6 +145,15 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
             ("total", est["total"])]
     for name, v in rows:
         lines.append(f"  {name:<38} {fmt(v):>14}")
+    ac = est.get("activation_checkpointing")
+    if ac:
+        without = {**est, "fixed": est["fixed"] - est["activations_fixed"] + ac["without_fixed"],
+                   "per_sample_total": est["per_sample_total"] - est["activations_per_sample"] + ac["without_per_sample"]}
+        lines.append(f"  activation checkpointing on {ac['blocks']} blocks: activations {fmt(est['activations_per_sample'])}"
+                     f"/sample; without it {fmt(ac['without_per_sample'])}/sample "
+                     f"({fmt(ac['without_fixed'] + ac['without_per_sample'] * est['batch'])} at this batch)")
+        if device_memory:
+            lines.append(f"  largest batch that fits without checkpointing: {largest_batch(without, device_memory):,}")
     if est["loader_host_buffers"]:
         lines.append(f"  {'(host) streaming loader buffers':<38} {fmt(est['loader_host_buffers']):>14}")
     if device_memory:

@@ -41,7 +41,7 @@ from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training import failures, setup
 from brickyard.training.evaluation import evaluate, evaluate_split, finish
-from brickyard.training.run import Run
+from brickyard.training.run import Request, Run
 from brickyard.training.step import optimizer_step
 
 __all__ = ["train", "evaluate", "Interrupted"]
@@ -136,23 +136,22 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
           model_meta: dict | None = None, info: dist.DistInfo | None = None, log_dir: Path | None = None,
           callbacks=(), loss_fn=None, train_step=None) -> dict:
     """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
-    wall_start = time.perf_counter()
-    info = info or dist.from_env()
-    check_readers(cfg, info.world_size, len(data.train))  # before anything is written
+    req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
+                  loss_fn, train_step, started=time.perf_counter())
+    check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
     with _torch_flags():
-        host = dev.setup(cfg.train, info.local_rank, info.local_world_size)
+        host = dev.setup(cfg.train, req.info.local_rank, req.info.local_world_size)
         if host.device.type == "cuda":
             torch.cuda.set_device(host.device)
         try:
-            created = dist.init(info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
+            created = dist.init(req.info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
         except RuntimeError as e:
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise BrickyardError(f"rank {info.rank}: could not join the process group within dist.timeout_s="
+            raise BrickyardError(f"rank {req.info.rank}: could not join the process group within dist.timeout_s="
                                  f"{cfg.dist.timeout_s}s ({reason}).") from None
         try:
-            run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_run_dir(cfg.preset))))
-            return _run_in(run_dir, log_dir, cfg, model, data, resume, model_meta or {}, info, host, wall_start,
-                           (list(callbacks), loss_fn, train_step))
+            req.run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_run_dir(cfg.preset))))
+            return _run_in(req, host)
         finally:
             if created:  # a process group the caller made is theirs to end
                 dist.shutdown()
@@ -171,24 +170,25 @@ def _torch_flags():
         torch.set_num_threads(saved[2])
 
 
-def _run_in(run_dir: Path, log_dir, cfg, model, data, resume, meta, info, host, wall_start, user) -> dict:
+def _run_in(req: Request, host: dev.Host) -> dict:
     """The run inside its directory: logs and metrics opened, failures turned into one sentence."""
-    if info.is_main and not resume and info.restart_count == 0:
+    info, run_dir = req.info, req.run_dir
+    if info.is_main and not req.resume and info.restart_count == 0:
         refuse_reuse(run_dir)  # before anything in it is opened
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(log_dir) if log_dir else run_dir / "logs"
+    log_dir = Path(req.log_dir) if req.log_dir else run_dir / "logs"
     log = Logger(info.rank, tuple([log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
     heartbeat = None
     try:
         heartbeat = dist.Heartbeat(info)
-        return _train(cfg, model, data, run_dir, resume, meta, info, host, log, metrics, wall_start, user)
+        return _train(req, host, log, metrics)
     except BrickyardError as e:
         log.error(str(e))
         raise
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        raise failures.explain(e, cfg, model, data, host.device, info, log, heartbeat, log_dir) from None
+        raise failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) from None
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -196,21 +196,20 @@ def _run_in(run_dir: Path, log_dir, cfg, model, data, resume, meta, info, host, 
         log.close()
 
 
-def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: Logger, metrics: MetricsWriter,
-           wall_start, user) -> dict:
-    user_callbacks, loss_fn, user_step = user
-    if resume and cfg.dist.mode == "ps":
+def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter) -> dict:
+    cfg, info, run_dir, meta = req.config, req.info, req.run_dir, req.meta
+    if req.resume and cfg.dist.mode == "ps":
         raise BrickyardError(ps.NO_RESUME)
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
-        cfg = setup.resolve_auto_batch(cfg, model, data, host.device, info, log)
-    run = setup.build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step)
+        cfg = req.config = setup.resolve_auto_batch(cfg, req.model, req.data, host.device, info, log)
+    run = setup.build_run(req, host, log)
     e = run._engine
     if e.update is None:  # a parameter server: it serves until the trainers are done
         return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
-    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + user_callbacks, _checkpoint_state)
-    _restore(run, cbs, resume)
+    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + req.callbacks, _checkpoint_state)
+    _restore(run, cbs, req.resume)
     setup.wrap(run)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
@@ -231,7 +230,7 @@ def _train(cfg, model, data, run_dir, resume, meta, info, host: dev.Host, log: L
         then = " (a group torchrun restarts resumes there by itself)" if restarting else ""
         raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
                           f"`brickyard train --run-dir {run_dir} --resume auto`{then}.")
-    summary = finish(run, metrics, tb, wall_start)
+    summary = finish(run, metrics, tb, req.started)
     cbs.on_train_end(run, summary)
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()

@@ -20,6 +20,23 @@ from brickyard.errors import BrickyardError
 
 
 @dataclass(eq=False)
+class Request:
+    """What ``training.loop.train`` was asked to do: the config, model and data, where, and the user's code."""
+    config: Any
+    model: nn.Module
+    data: Any
+    run_dir: Path | None = None
+    resume: str | None = None
+    meta: dict = field(default_factory=dict)   # the model's name and registry flag, saved in checkpoints
+    info: Any = None                           # this process's place in the job (``DistInfo``)
+    log_dir: Path | None = None
+    callbacks: list = field(default_factory=list)
+    loss_fn: Callable | None = None
+    train_step: Callable | None = None
+    started: float = 0.0                       # time.perf_counter() when train() began (the summary's wall time)
+
+
+@dataclass(eq=False)
 class Engine:
     """brickyard's parts of a run: set up by ``training.setup``, used by the loop, the step and brickyard's
     own callbacks. Not a user contract."""

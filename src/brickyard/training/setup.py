@@ -1,7 +1,7 @@
 """How a run is put together: the model on its device, the optimiser, the batch plan, the schedule,
 the update strategy, brickyard's behaviours as callbacks, DDP, and the lines that announce it all.
 
-Everything here runs once, before the loop; ``trainer`` calls ``build_run``, ``callbacks_for``,
+Everything here runs once, before the loop; ``training.loop`` calls ``build_run``, ``callbacks_for``,
 ``wrap`` and ``announce`` in that order.
 """
 from __future__ import annotations
@@ -31,15 +31,18 @@ from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.optim import OptimizerUpdate, Schedule, build_optimizer, describe_groups, param_groups
 from brickyard.tools import memory
+from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training.evaluation import evaluate_split
-from brickyard.training.run import Engine, Run
+from brickyard.training.run import Engine, Request, Run
 from brickyard.training.step import Totals, default_step, guard, make_loss_sum
 
 
-def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_step) -> Run:
+def build_run(req: Request, host, log) -> Run:
     """Model on its device, optimiser, batch plan, schedule and update strategy; nothing wrapped yet."""
+    cfg, model, data, run_dir, meta, info = req.config, req.model, req.data, req.run_dir, req.meta, req.info
+    loss_fn, user_step = req.loss_fn, req.train_step
     t, device = cfg.train, host.device
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -50,6 +53,10 @@ def build_run(cfg, model, data, run_dir, meta, info, host, log, loss_fn, user_st
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    checkpointed = activation_checkpointing.apply(model, t.activation_checkpointing)
+    if checkpointed:
+        log.info(f"activation checkpointing: {len(checkpointed)} blocks ({', '.join(checkpointed[:4])}"
+                 f"{', ...' if len(checkpointed) > 4 else ''}) recompute their activations in the backward pass")
     head = find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None
     groups = param_groups(model, cfg.optim, head, cfg.finetune.head_lr_mult)
     layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
@@ -103,8 +110,10 @@ def _update_strategy(run: Run, layout, groups, ps_group):
     if cfg.boost.dim_reduce.enabled:
         named = _trainable(run.model)
         P = boost.resolve_subspace(cfg, run.run_dir, [n for n, _ in named], sum(p.numel() for _, p in named), run.log)
-        run.log.info(f"dimension-reduction stage 2: {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
-        return boost.DimReduceUpdate(boost.DimReduce([p for _, p in named], P, cfg.boost.dim_reduce), e.loss_sum,
+        how = boost.method_settings(cfg.boost.dim_reduce)
+        run.log.info(f"dimension-reduction stage 2 ({how.method}: rho {how.rho:g}, up to {how.max_search} step sizes, "
+                     f"alpha {how.alpha:g}): {boost.p_memory(P.shape)}; the optimiser is replaced by P-BFGS")
+        return boost.DimReduceUpdate(boost.DimReduce([p for _, p in named], P, boost.method_settings(cfg.boost.dim_reduce)), e.loss_sum,
                                      lambda: dev.autocast(run.device, run.precision), e.group)
     return OptimizerUpdate(e.scaler)
 
@@ -140,7 +149,8 @@ def callbacks_for(run: Run, metrics, tb, extra, checkpoint_state) -> CallbackLis
     b = run.config.boost
     if b.snapshots.enabled:
         named = _trainable(run.model)
-        snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), b.snapshots.keep, [n for n, _ in named]) \
+        snaps = boost.Snapshots(boost.snapshot_dir(run.config, run.run_dir), b.snapshots.keep, [n for n, _ in named],
+                                b.snapshots.include_init) \
             if run.is_main else None
         own.append(Snapshotting(snaps, b.snapshots, b.dim_reduce.n_components, [p for _, p in named]))
     if isinstance(e.update, boost.DimReduceUpdate):

@@ -1,0 +1,83 @@
+"""Activation checkpointing (``train.activation_checkpointing``): chosen blocks keep only their inputs
+in the forward pass and run their forward again during the backward pass, trading compute for memory.
+
+Each matched module's forward goes through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+(PyTorch's recommended variant; the RNG state is restored for the recomputation, so dropout draws the
+same mask). ``auto`` picks the blocks per model family: a vision transformer's ``blocks.N``, a
+ResNet's residual blocks ``layerN.M``, VGG's ``features``; other models have no blocks to choose.
+Patterns are ``fnmatch`` patterns on module names (``blocks.*``, ``layer3.*``); a module inside one
+already chosen is not wrapped again, and a pattern that matches no module is one sentence.
+
+Batch norm inside a checkpointed block would update its running statistics twice (once in the
+recomputation): brickyard puts them back after a forward that runs during the backward pass, so the
+statistics, like the gradients, are those of a run without checkpointing.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from brickyard.errors import ConfigError
+
+AUTO = {"ViT": ["blocks.*"], "ResNet": ["layer?.*"], "VGG": ["features"]}
+
+
+def patterns_for(model: nn.Module, setting) -> list[str]:
+    if setting == "auto":
+        return AUTO.get(type(model).__name__, [])
+    return list(setting or [])
+
+
+def apply(model: nn.Module, setting) -> list[str]:
+    """Checkpoint the modules that ``setting`` (``auto`` or patterns) names; returns their names."""
+    patterns = patterns_for(model, setting)
+    chosen: list[str] = []
+    for pattern in patterns:
+        found = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            raise ConfigError(f"train.activation_checkpointing: {pattern!r} matches no module of "
+                              f"{type(model).__name__} (module names are like those of `brickyard inspect`).")
+        chosen += [n for n in found if n not in chosen]
+    outer = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
+    modules = dict(model.named_modules())
+    for name in outer:
+        _wrap(modules[name])
+    return outer
+
+
+def _wrap(module: nn.Module) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+    for bn in (m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+        bn.register_forward_pre_hook(_stash_stats)
+        bn.register_forward_hook(_restore_stats)
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass (the checkpoint's recomputation happens inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _stash_stats(bn, args):
+    if bn.training and bn.track_running_stats and _recomputing():
+        bn._brickyard_stats = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+
+
+def _restore_stats(bn, args, out):
+    saved = getattr(bn, "_brickyard_stats", None)
+    if saved is not None:
+        with torch.no_grad():
+            for t, s in zip((bn.running_mean, bn.running_var, bn.num_batches_tracked), saved):
+                t.copy_(s)
+        bn._brickyard_stats = None
