@@ -304,3 +304,18 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     roll.close()
     assert not [t for t in threading.enumerate() if t.name == "brickyard-roll-call"]
     assert time.monotonic() - start < 3 * RollCall.STEP_S + 0.5 and not roll.connected
+
+
+def test_under_srun_the_run_directory_is_one_name_and_devices_are_refused(tmp_path):
+    """srun starts the tasks: every task names the same default run directory (from the job and step ids,
+    not its own clock), and --devices, which would start processes of its own, is one sentence."""
+    from brickyard.distributed.slurm import run_name, task_of_a_step
+    step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77"}
+    assert task_of_a_step(step) and str(run_name("mnist", step)) == "runs/mnist-slurm77.0"
+    batch_script = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}
+    assert run_name("mnist", batch_script) is None and not task_of_a_step({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    r = run_cli("train", "mnist", *sets(*SYNTH), "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"),
+                env={**step, "SLURM_PROCID": "0", "MASTER_ADDR": "127.0.0.1"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "error: --devices cpu:2 starts processes of its own, but srun has already started 2 tasks"), r.stderr
+    assert not (tmp_path / "r").exists()

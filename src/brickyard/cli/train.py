@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from brickyard.config import load_config, resume_config
 from brickyard.distributed import env as dist
+from brickyard.distributed import slurm
+from brickyard.errors import BrickyardError
 from brickyard.launch import torchrun as launch
 
 EXAMPLES = """examples:
@@ -42,6 +45,10 @@ def run(args) -> int:
     if args.resume and args.run_dir:
         cfg = resume_config(args.run_dir, args.config, overrides)
     launch.process_env(cfg)
+    if args.devices and slurm.task_of_a_step():
+        raise BrickyardError(f"--devices {args.devices} starts processes of its own, but srun has already started "
+                             f"{os.environ['SLURM_NTASKS']} tasks, each one process: drop --devices "
+                             f"(srun -n N brickyard train ... trains on N processes).")
     if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
         return launch.launch(args, cfg)
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
@@ -55,5 +62,10 @@ def run(args) -> int:
 
 
 def _default_run_dir(cfg):
+    """``runs/<preset>-<timestamp>``; under srun one name for every task, from the job and step ids
+    (each task's own clock could name another folder a second later)."""
+    named = slurm.run_name(cfg.preset)
+    if named:
+        return named
     from brickyard.observe.runlog import default_run_dir  # lazy: imports torch (cli/main.py: start-up time)
     return default_run_dir(cfg.preset)

@@ -9,6 +9,9 @@ on port ``MASTER_PORT`` or 15000 + the last four digits of the job id. As Lightn
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from brickyard.errors import BrickyardError
 
 
@@ -66,3 +69,17 @@ def slurm_tasks_per_node(spec: str) -> list[int]:
         count, _, times = part.partition("(x")
         out += [int(count)] * int(times.rstrip(")") or 1)
     return out
+
+
+def task_of_a_step(env=None) -> bool:
+    """This process is one of several tasks that ``srun`` started (a job step of more than one task)."""
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+
+
+def run_name(preset: str, env=None) -> Path | None:
+    """Under srun, the default run directory every task agrees on: ``runs/<preset>-slurm<job>.<step>``."""
+    env = os.environ if env is None else env
+    if not task_of_a_step(env) or "SLURM_JOB_ID" not in env:
+        return None
+    return Path("runs") / f"{preset}-slurm{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
