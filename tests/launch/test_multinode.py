@@ -224,7 +224,7 @@ def test_elastic_a_node_joins_then_leaves_and_the_global_batch_holds(hosts, tmp_
 
 
 def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(hosts, tmp_path):
-    from test_bench import BENCH
+    from conftest import BENCH
     h = hosts(2)
     argv = ["bench", "mnist", *sets(*BENCH), "--devices", "cpu:1", "--steps", "10", "--warmup", "2", "--nnodes", "2",
             "--master", f"{h.addr(0)}:{PORT}"]

@@ -1,9 +1,7 @@
 """`brickyard bench`: real steps, a step-time breakdown, scaling over device specs."""
 import json
 
-from conftest import SYNTH, run_cli, sets
-
-BENCH = [s for s in SYNTH if not s.startswith("train.threads")]
+from conftest import BENCH, run_cli, sets
 
 
 def test_bench_one_spec_breaks_the_step_down():
