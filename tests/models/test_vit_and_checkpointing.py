@@ -76,3 +76,10 @@ def test_a_vit_trains_with_checkpointing_from_the_config(tmp_path):
     assert s["steps"] == 4
     assert "activation checkpointing: 12 blocks (blocks.0, blocks.1" in (tmp_path / "r" / "train.log").read_text()
     assert load_config("mnist", ["train.activation_checkpointing=blocks.*"]).train.activation_checkpointing == ("blocks.*",)
+
+
+def test_a_pattern_that_matches_nothing_writes_nothing(tmp_path):
+    from conftest import SYNTH, run_cli, sets
+    r = run_cli("train", *sets(*SYNTH, "train.activation_checkpointing=blocks.*"), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.startswith("error: train.activation_checkpointing: 'blocks.*' matches no module")
+    assert not (tmp_path / "r").exists()

@@ -34,6 +34,16 @@ def patterns_for(model: nn.Module, setting) -> list[str]:
 
 def apply(model: nn.Module, setting) -> list[str]:
     """Checkpoint the modules that ``setting`` (``auto`` or patterns) names; returns their names."""
+    outer = choose(model, setting)
+    modules = dict(model.named_modules())
+    for name in outer:
+        _wrap(modules[name])
+    return outer
+
+
+def choose(model: nn.Module, setting) -> list[str]:
+    """The names of the modules ``setting`` picks (none inside another); a pattern that matches nothing
+    is a ``ConfigError``. Changes nothing, so a run can check this before it writes anything."""
     patterns = patterns_for(model, setting)
     chosen: list[str] = []
     for pattern in patterns:
@@ -42,11 +52,7 @@ def apply(model: nn.Module, setting) -> list[str]:
             raise ConfigError(f"train.activation_checkpointing: {pattern!r} matches no module of "
                               f"{type(model).__name__} (module names are like those of `brickyard inspect`).")
         chosen += [n for n in found if n not in chosen]
-    outer = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
-    modules = dict(model.named_modules())
-    for name in outer:
-        _wrap(modules[name])
-    return outer
+    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
 
 
 def _wrap(module: nn.Module) -> None:

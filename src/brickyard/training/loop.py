@@ -37,6 +37,7 @@ from brickyard.errors import BrickyardError, CheckpointError
 from brickyard.observe.logs import Logger
 from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
 from brickyard.observe.tensorboard import TBWriter
+from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training import failures, setup
@@ -139,6 +140,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
                   loss_fn, train_step, started=time.perf_counter())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
+    activation_checkpointing.choose(model, cfg.train.activation_checkpointing)  # likewise
     with _torch_flags():
         host = dev.setup(cfg.train, req.info.local_rank, req.info.local_world_size)
         if host.device.type == "cuda":
