@@ -61,6 +61,7 @@ from brickyard.distributed.flat import flat_grads
 from brickyard.distributed.flat import flatten as flat_params
 from brickyard.distributed.flat import load_flat as set_flat
 from brickyard.errors import CheckpointError, ConfigError
+from brickyard.models import bn_state, restore_bn_state
 from brickyard.optim.updates import Update
 from brickyard.tools.memory import fmt
 from brickyard.training.checkpoint import read, save_atomic
@@ -149,17 +150,6 @@ def load_pca(path: Path, names: list[str], size: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Stage 2
-
-
-def bn_state(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, saved copy) of every batch-norm statistic, to restore after trial forwards."""
-    out = []
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase):
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked):
-                if b is not None:
-                    out.append((b, b.detach().clone()))
-    return out
 
 
 def bfgs_update(B: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -315,8 +305,7 @@ def make_trial_loss(model: nn.Module, x, y, n_global: int, loss_sum, autocast, g
         saved = bn_state(model)
         with torch.no_grad(), autocast():
             loss = loss_sum(model(x), y)
-        for buf, copy in saved:
-            buf.copy_(copy)
+        restore_bn_state(saved)
         total = dist.all_reduce_sum(loss.detach().double().reshape(1), group)
         return float(total) / n_global
     return trial

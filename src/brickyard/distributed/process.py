@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from brickyard.distributed.env import DistInfo, from_env, prints_errors, rank_from_env  # noqa: F401
+from brickyard.distributed.env import DistInfo, from_env  # noqa: F401  (re-exported: dist.from_env())
 from brickyard.launch import nodes
 
 

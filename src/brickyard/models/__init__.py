@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+import torch
 from torch import nn
 
 from brickyard.errors import ConfigError
@@ -63,6 +64,24 @@ def natural_input(name: str) -> tuple[int, tuple[int, int]]:
     """(channels, (height, width)) a model is built for, as `brickyard models` shows it."""
     channels, side = NATURAL_INPUT.get(name, (3, 224))
     return channels, (side, side)
+
+
+def bn_state(model: nn.Module) -> list:
+    """(buffer, saved copy) of every normalisation statistic in ``model`` (itself included), so that a
+    forward pass that must not count (a line-search trial, a recomputation) can be undone."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked):
+                if b is not None:
+                    out.append((b, b.detach().clone()))
+    return out
+
+
+def restore_bn_state(saved: list) -> None:
+    with torch.no_grad():
+        for buf, copy in saved:
+            buf.copy_(copy)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from brickyard.errors import ConfigError
+from brickyard.models import bn_state, restore_bn_state
 
 AUTO = {"ViT": ["blocks.*"], "ResNet": ["layer?.*"], "VGG": ["features"]}
 
@@ -76,14 +77,12 @@ def _recomputing() -> bool:
 
 
 def _stash_stats(bn, args):
-    if bn.training and bn.track_running_stats and _recomputing():
-        bn._brickyard_stats = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    if bn.training and _recomputing():
+        bn._brickyard_stats = bn_state(bn)
 
 
 def _restore_stats(bn, args, out):
     saved = getattr(bn, "_brickyard_stats", None)
     if saved is not None:
-        with torch.no_grad():
-            for t, s in zip((bn.running_mean, bn.running_var, bn.num_batches_tracked), saved):
-                t.copy_(s)
+        restore_bn_state(saved)
         bn._brickyard_stats = None
