@@ -86,7 +86,7 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
-    meta = {"name": cfg.model.name, "registry": True}
+    meta = {"name": cfg.model.name, "registry": True, "options": {"patch_size": cfg.model.patch_size} if cfg.model.patch_size else {}}
     ft = cfg.finetune
     if ft.init_from or ft.reset_head or ft.freeze:
         with Logger(dist_env.from_env().rank) as log:

@@ -3,10 +3,12 @@ validation accuracy (else loss), and a last save when the loop ends (a stop, ``m
 from __future__ import annotations
 
 from brickyard.callbacks.base import Callback
+from brickyard.distributed import process as dist
 
 
 class Checkpointing(Callback):
-    """Saves through a ``CheckpointManager`` (rank 0 only; the NaN guard runs on every rank first)."""
+    """Saves through a ``CheckpointManager`` (rank 0 only; the NaN guard runs on every rank first). Under
+    FSDP every rank gathers the state with rank 0, which writes it."""
 
     def __init__(self, manager, every_steps: int, every_epoch: bool, state_fn, guard):
         self.guard = guard  # the NaN guard (``training.step.guard``): no non-finite weights are saved
@@ -16,18 +18,26 @@ class Checkpointing(Callback):
     def save(self, run, metric: float | None = None) -> None:
         self.guard(run)
         self.saved_at = run.step
-        if self.manager is None:
+        sharded = run._engine.sharded
+        if self.manager is None and not sharded:
             return
         best = None
-        if metric is not None and self.manager.improves(metric):
-            self.manager.best_metric = metric  # recorded in the state, so a resumed run compares with it
+        improves = metric is not None and self.manager is not None and self.manager.improves(metric)
+        if sharded:  # rank 0 keeps the best metric; the others gather what it will write
+            improves = dist.broadcast_object(improves)
+        if improves:
+            if self.manager is not None:
+                self.manager.best_metric = metric  # recorded in the state, so a resumed run compares with it
             if run.swaps_eval_weights:
                 with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
                     best = self.state_fn(run)
                     best["model"] = {k: v.detach().clone() for k, v in best["model"].items()}
         else:
             metric = None
-        run.last_checkpoint = self.manager.save(self.state_fn(run), run.step, metric, best)
+        state = self.state_fn(run)
+        if self.manager is None:
+            return
+        run.last_checkpoint = self.manager.save(state, run.step, metric, best)
         run._engine.callbacks.on_checkpoint(run, run.last_checkpoint)
 
     def on_step_end(self, run, loss):

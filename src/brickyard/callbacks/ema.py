@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from brickyard.callbacks.base import Callback
+from brickyard.distributed.fsdp import full, like
 from brickyard.errors import ConfigError
 
 
@@ -24,7 +25,7 @@ class EMA(Callback):
     def on_train_start(self, run):
         self.live = list(run.model.parameters()) + list(run.model.buffers())  # updated in place, so kept once
         self.avg = ([t.detach().clone() for t in self.live] if self.avg is None
-                    else [a.to(t.device) for a, t in zip(self.avg, self.live)])
+                    else [like(a, t) for a, t in zip(self.avg, self.live)])
         self.floats = [(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()]
         self.counters = [(a, w) for a, w in zip(self.avg, self.live) if not a.is_floating_point()]  # num_batches_tracked
         run.use_eval_weights(self.applied)
@@ -52,7 +53,7 @@ class EMA(Callback):
                 _copy(self.live, raw)
 
     def state_dict(self):
-        return {"decay": self.decay, "avg": self.avg} if self.avg is not None else {}
+        return {"decay": self.decay, "avg": [full(a) for a in self.avg]} if self.avg is not None else {}  # FSDP: gathered
 
     def load_state_dict(self, state):
         self.avg = list(state["avg"]) if state.get("avg") is not None else None

@@ -76,7 +76,8 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
 MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.max_time_s", "train.progress", "train.log_every",
                         "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
                         "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
-                        "checkpoint.", "dist.timeout_s", "data.num_workers", "data.prefetch", "data.pin_memory", "preset")
+                        "checkpoint.", "dist.timeout_s", "dist.strategy", "dist.fsdp.", "dist.grad_sync", "dist.backend",
+                        "train.activation_checkpointing", "data.num_workers", "data.prefetch", "data.pin_memory", "preset")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

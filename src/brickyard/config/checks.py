@@ -40,6 +40,7 @@ def cross_check(cfg) -> None:
                           f"({b.dim_reduce.n_components}); PCA needs more snapshots than components.")
     if cfg.dist.grad_sync == "flat" and cfg.dist.sync_bn:
         raise ConfigError("dist.grad_sync: flat does not run SyncBatchNorm (dist.sync_bn: true); use dist.grad_sync: ddp or auto.")
+    _check_fsdp(cfg)
     dr = b.dim_reduce
     if dr.rho is not None and not 0 < dr.rho < 1:
         raise ConfigError(f"boost.dim_reduce.rho: {dr.rho} must be between 0 and 1 (the backtracking factor, e.g. 0.4).")
@@ -53,3 +54,19 @@ def cross_check(cfg) -> None:
     if stops and cfg.dist.mode == "ps" and cfg.dist.ps.sync:
         raise ConfigError(f"{stops[0]}: a synchronous parameter-server run cannot stop before its last step yet; "
                           f"use dist.mode: collective.")
+
+
+def _check_fsdp(cfg) -> None:
+    """What ``dist.strategy: fsdp`` does not combine with (each needs the whole model on every rank)."""
+    if cfg.dist.strategy != "fsdp":
+        return
+    b, t = cfg.boost, cfg.train
+    other = [(on, key) for on, key in (
+        (cfg.dist.mode == "ps", "dist.mode: ps (the servers hold the parameters)"),
+        (b.dim_reduce.enabled or b.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
+        (cfg.dist.grad_sync != "auto", f"dist.grad_sync: {cfg.dist.grad_sync} (FSDP syncs the gradients itself)"),
+        (cfg.dist.sync_bn, "dist.sync_bn"),
+        (bool(t.watch) or bool(t.histograms_every), "train.watch and train.histograms_every (they read whole weights)"),
+    ) if on]
+    if other:
+        raise ConfigError(f"dist.strategy: fsdp does not combine with {other[0][1]}; use dist.strategy: ddp for it.")

@@ -159,8 +159,16 @@ class PSConfig:
 
 
 @dataclass(frozen=True)
+class FSDPConfig:
+    blocks: Union[tuple, str] = _opt("auto", choices_str=("auto",), doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
+    offload: bool = _opt(False, doc="keep the sharded parameters, gradients and optimiser state in host memory (GPUs; a CPU run already does)")
+    reshard_after_forward: bool = _opt(True, doc="free the gathered parameters after each block's forward (false: keep them until the backward, more memory and less communication)")
+
+
+@dataclass(frozen=True)
 class DistConfig:
     mode: str = _opt("collective", choices=("collective", "ps"))
+    strategy: str = _opt("ddp", choices=("ddp", "fsdp"), doc="ddp: every rank holds the whole model; fsdp: each holds 1/world of the parameters, gradients and optimiser state (FSDP2); docs/distributed.md")
     backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
     scale_lr: str = _opt("none", choices=("none", "linear"))
     scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
@@ -168,6 +176,7 @@ class DistConfig:
     grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
                           doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
     sync_bn: bool = _opt(False)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
 
 

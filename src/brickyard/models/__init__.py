@@ -4,6 +4,7 @@ Models are plain ``nn.Module``s; they know nothing of devices, ranks or logging.
 """
 from __future__ import annotations
 
+import fnmatch
 import inspect
 from typing import Callable
 
@@ -92,3 +93,22 @@ def build(cfg, data):
     """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``)."""
     return create(cfg.model.name, cfg.model.num_classes or data.num_classes,
                   cfg.model.in_channels or data.in_channels, data.image_size, patch_size=cfg.model.patch_size)
+
+
+# the repeated blocks of each model family: what activation checkpointing recomputes and FSDP shards one by one
+BLOCKS = {"ViT": ["blocks.*"], "ResNet": ["layer?.*"], "VGG": ["features"]}
+
+
+def find_blocks(model: nn.Module, setting, key: str) -> list[str]:
+    """The names of the modules that ``setting`` (``auto``: the family's ``BLOCKS``, or ``fnmatch``
+    patterns on module names) picks, none inside another; a pattern that matches nothing is a
+    ``ConfigError`` about ``key``. Changes nothing."""
+    patterns = BLOCKS.get(type(model).__name__, []) if setting == "auto" else list(setting or [])
+    chosen: list[str] = []
+    for pattern in patterns:
+        found = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            raise ConfigError(f"{key}: {pattern!r} matches no module of {type(model).__name__} "
+                              f"(module names are like those of `brickyard inspect`).")
+        chosen += [n for n in found if n not in chosen]
+    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]

@@ -103,7 +103,8 @@ def load_exported(path) -> tuple[nn.Module, dict]:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             if not meta.get("name"):
                 raise BrickyardError(f"{path} holds weights without brickyard's metadata; load them with finetune.init_from.")
-            model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
+            model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]),
+                                  **meta.get("options", {}))
             model.load_state_dict(tensors)
             return model.eval(), meta
         if path.suffix == ".pt2":

@@ -104,7 +104,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     plain = _activations_per_batch(m, data, channels_last, precision)
     act_fixed, per_sample = plain
     checkpointing = None
-    if activation_checkpointing.patterns_for(m, cfg.train.activation_checkpointing):
+    if activation_checkpointing.choose(m, cfg.train.activation_checkpointing):
         copy = copy_module.deepcopy(m)
         names = activation_checkpointing.apply(copy, cfg.train.activation_checkpointing)
         modules = dict(copy.named_modules())

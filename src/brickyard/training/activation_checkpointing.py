@@ -14,7 +14,6 @@ statistics, like the gradients, are those of a run without checkpointing.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 
 import torch
@@ -22,16 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from brickyard.errors import ConfigError
-from brickyard.models import bn_state, restore_bn_state
-
-AUTO = {"ViT": ["blocks.*"], "ResNet": ["layer?.*"], "VGG": ["features"]}
-
-
-def patterns_for(model: nn.Module, setting) -> list[str]:
-    if setting == "auto":
-        return AUTO.get(type(model).__name__, [])
-    return list(setting or [])
-
+from brickyard.models import bn_state, find_blocks, restore_bn_state
 
 def apply(model: nn.Module, setting) -> list[str]:
     """Checkpoint the modules that ``setting`` (``auto`` or patterns) names; returns their names."""
@@ -43,17 +33,9 @@ def apply(model: nn.Module, setting) -> list[str]:
 
 
 def choose(model: nn.Module, setting) -> list[str]:
-    """The names of the modules ``setting`` picks (none inside another); a pattern that matches nothing
+    """The names of the modules ``setting`` picks (``models.find_blocks``); a pattern that matches nothing
     is a ``ConfigError``. Changes nothing, so a run can check this before it writes anything."""
-    patterns = patterns_for(model, setting)
-    chosen: list[str] = []
-    for pattern in patterns:
-        found = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
-        if not found:
-            raise ConfigError(f"train.activation_checkpointing: {pattern!r} matches no module of "
-                              f"{type(model).__name__} (module names are like those of `brickyard inspect`).")
-        chosen += [n for n in found if n not in chosen]
-    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
+    return find_blocks(model, setting, "train.activation_checkpointing")
 
 
 def _wrap(module: nn.Module) -> None:

@@ -157,7 +157,8 @@ def load_model(path) -> tuple[torch.nn.Module, dict, Config]:
     if not meta.get("registry"):
         raise CheckpointError(f"checkpoint {path} holds a user model ({meta.get('name')}); rebuild it in Python and load state['model'].")
     cfg = build(state["config"])
-    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]))
+    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]),
+                          **meta.get("options", {}))  # the model.* options the run built it with (patch_size)
     check_model(state, model, Path(path))
     model.load_state_dict(state["model"])
     return model, state, cfg

@@ -1,6 +1,7 @@
 """Evaluation of a split, and the end of a run: the test pass, ``summary.json`` and the plots."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from brickyard.data import Split
 from brickyard.data.loaders import eval_batches
+from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
 from brickyard.observe.plots import plot_runs
@@ -17,21 +19,28 @@ from brickyard.training import device as dev
 
 def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,
              num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
-             num_workers: int = 0, loss_sum=None) -> dict:
+             num_workers: int = 0, loss_sum=None, lockstep: bool = False) -> dict:
     """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
     exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
-    rank's misclassified raw images with true and predicted labels (host syncs; test time only)."""
+    rank's misclassified raw images with true and predicted labels (host syncs; test time only).
+    ``lockstep``: every rank runs as many forward passes as the rank with the largest share (FSDP's
+    forward is a collective); the extra ones, on a batch already counted, are not counted again."""
     was_training = model.training
     model.eval()
     acc = EvalAccumulator(num_classes, device, loss_sum)
-    errors, kept = [], 0
+    errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank, num_workers):
             pred = acc.update(model(prep(x)), y)
+            done += 1
             if pred is not None and kept < keep_errors:
                 wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
                 errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
                 kept += len(wrong)
+        if lockstep and done < math.ceil(math.ceil(len(split) / world) / batch_size):  # the largest share is rank 0's
+            spare = x if x is not None else next(eval_batches(split, 1, device))[0]
+            for _ in range(done, math.ceil(math.ceil(len(split) / world) / batch_size)):
+                model(prep(spare))
     model.train(was_training)
     result = acc.result(group)
     if keep_errors and errors:
@@ -46,7 +55,7 @@ def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
         e = run._engine
         return evaluate(run.forward, split, e.prep, run.device, run.precision, c.data.eval_batch_size,
                         run.data.num_classes, e.data_world, run.rank, e.group, keep_errors,
-                        c.data.num_workers, e.loss_sum)
+                        c.data.num_workers, e.loss_sum, lockstep=e.sharded)
 
 
 def _fmt(r: dict, *keys) -> str:
@@ -82,6 +91,8 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         images_per_second=round(e.images / max(e.train_seconds, 1e-9), 1), device=str(run.device),
         world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
         channels_last=e.channels_last, model=e.meta.get("name"), data=data.name,
+        strategy=cfg.dist.strategy if e.sharded else "ddp" if run.world_size > 1 else "none",
+        held_per_rank=fsdp.held_bytes(run.model, run.optimizer),
         epoch_seconds=e.epoch_seconds, run_dir=str(run.run_dir),
     )
     tb.close()

@@ -31,9 +31,11 @@ from brickyard.callbacks import from_config
 from brickyard.config import Config, save_config
 from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
+from brickyard.distributed import fsdp
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, CheckpointError
+from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
 from brickyard.observe.tensorboard import TBWriter
@@ -141,6 +143,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
                   loss_fn, train_step, started=time.perf_counter())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)  # likewise
+    if cfg.dist.strategy == "fsdp":
+        find_blocks(model, cfg.dist.fsdp.blocks, "dist.fsdp.blocks")  # likewise
     with _torch_flags():
         host = dev.setup(cfg.train, req.info.local_rank, req.info.local_world_size)
         if host.device.type == "cuda":
@@ -242,8 +246,9 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter) ->
 def _checkpoint_state(run: Run) -> dict:
     data, e = run.data, run._engine
     meta, manager = e.meta, e.checkpoints
+    model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)  # FSDP: gathered on every rank
     return {
-        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": e.scaler.state_dict(),
+        "model": model_state, "optimizer": optimizer_state, "scaler": e.scaler.state_dict(),
         "rng": failures.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
         "best_metric": manager.best_metric if manager else None, "config": run.config.to_dict(),
         "boost": e.update.state_dict(), "callbacks": e.callbacks.state_dict(),
@@ -262,10 +267,10 @@ def _restore(run: Run, cbs, resume: str | None) -> None:
         return
     path, state = found
     ckpt.check_model(state, run.model, path)
-    run.model.load_state_dict(state["model"])
+    fsdp.load_model_state(run.model, state["model"])
     try:
-        run.optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
+        fsdp.load_optimizer_state(run.optimizer, state["optimizer"])
+    except (ValueError, KeyError, IndexError) as e:
         raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
     e = run._engine
     if state.get("scaler"):

@@ -64,6 +64,7 @@ class Engine:
     data_wait: float = 0.0            # seconds waiting for batches in the current log window
     batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch: the NaN guard, P-BFGS
     check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
+    sharded: bool = False             # FSDP: saving and evaluating are collectives every rank takes part in
     backward_done: bool = False       # the step called ``run.backward`` itself
     batch_weight: float = 1.0         # local batch / global batch x ranks / accumulation: mean loss -> gradient weight
     # what brickyard's behaviours report into the summary

@@ -23,7 +23,7 @@ from brickyard.callbacks.test_every import TestEvery
 from brickyard.callbacks.watching import Histograms, Watching
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
-from brickyard.distributed import gradsync
+from brickyard.distributed import fsdp, gradsync
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError
@@ -55,8 +55,10 @@ def build_run(req: Request, host, log) -> Run:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     checkpointed = activation_checkpointing.apply(model, t.activation_checkpointing)
     if checkpointed:
-        log.info(f"activation checkpointing: {len(checkpointed)} blocks ({', '.join(checkpointed[:4])}"
-                 f"{', ...' if len(checkpointed) > 4 else ''}) recompute their activations in the backward pass")
+        log.info(f"activation checkpointing: {len(checkpointed)} blocks ({_some(checkpointed)}) recompute their "
+                 f"activations in the backward pass")
+    if cfg.dist.strategy == "fsdp":
+        _shard(model, cfg.dist, host, info, log)
     head = find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None
     groups = param_groups(model, cfg.optim, head, cfg.finetune.head_lr_mult)
     layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
@@ -78,7 +80,8 @@ def build_run(req: Request, host, log) -> Run:
     engine = Engine(data_world=data_world, group=group, info=info, host=host, meta=meta, channels_last=channels_last,
                     peak_lr=peak, groups=groups, schedule=schedule, loss_sum=make_loss_sum(loss_fn, cfg.optim.label_smoothing),
                     step_fn=user_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
-                    totals=Totals(device, group), check_each_step=t.nan_guard and device.type == "cpu")
+                    totals=Totals(device, group), check_each_step=t.nan_guard and device.type == "cpu",
+                    sharded=fsdp.is_sharded(model))
     run = Run(cfg, model, build_optimizer(cfg.optim, groups), data, info.rank, info.world_size, device, host.precision,
               run_dir, log, per_epoch, total, _engine=engine)
     if layout is not None and layout.is_server(info.rank):
@@ -90,6 +93,24 @@ def build_run(req: Request, host, log) -> Run:
     _check_image_features(cfg, data)
     engine.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
     return run
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _shard(model, d, host, info, log) -> None:
+    """``dist.strategy: fsdp``: shard the parameters across the ranks before the optimiser sees them."""
+    if not info.distributed:
+        log.info("dist.strategy: fsdp on one process: nothing to shard, the model trains whole")
+        return
+    blocks = fsdp.shard(model, d, host.precision, host.device)
+    where = f"{len(blocks)} blocks ({_some(blocks)}) and the root" if blocks else "the whole model as one unit"
+    offload = ""
+    if d.fsdp.offload:
+        offload = (", shards offloaded to host memory" if host.device.type == "cuda" else
+                   "; dist.fsdp.offload has nothing to do on a CPU run (the shards are in host memory already)")
+    log.info(f"FSDP: {where} sharded across {info.world_size} ranks{offload}")
 
 
 def _schedule(cfg, data_world: int, total: int, per_epoch: int):
@@ -160,11 +181,13 @@ def callbacks_for(run: Run, metrics, tb, extra, checkpoint_state) -> CallbackLis
 
 
 def wrap(run: Run) -> None:
-    """The gradient sync of collective runs of several processes (DDP or one flat all-reduce), then
-    ``torch.compile`` when asked."""
+    """The gradient sync of collective runs of several processes (DDP, one flat all-reduce, or FSDP's
+    inside the backward pass), then ``torch.compile`` when asked."""
     e = run._engine
     model, e.grad_sync = run.model, gradsync.GradSync()
-    if run.world_size > 1 and not isinstance(e.update, ps.ParameterServerUpdate):  # the servers sync the rest
+    if e.sharded:  # FSDP reduce-scatters inside the backward pass
+        e.grad_sync = fsdp.FSDPSync(run.model)
+    elif run.world_size > 1 and not isinstance(e.update, ps.ParameterServerUpdate):  # the servers sync the rest
         model, e.grad_sync = grad_sync(run.config.dist, run.model, run.device, e.group, e.host.own_cores)
     run.forward = torch.compile(model) if run.config.train.compile else model
     e.vote = dist.StopVote(e.info)

@@ -154,7 +154,8 @@ def _name(fn) -> str:
 
 
 def raise_nonfinite(run, x, y):
-    where = first_nonfinite(run.model, x, y, run._engine.loss_sum)
+    # the search runs the model on this rank alone: under FSDP a forward pass needs every rank
+    where = "not searched under dist.strategy: fsdp" if run._engine.sharded else first_nonfinite(run.model, x, y, run._engine.loss_sum)
     kept = (f"the newest checkpoint ({run.last_checkpoint}) holds the last good weights" if run.last_checkpoint
             else "no checkpoint was written yet")
     raise BrickyardError(f"training loss became non-finite at step {run.step}; first non-finite: {where}; "

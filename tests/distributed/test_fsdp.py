@@ -1,0 +1,120 @@
+"""Sharded data parallel (``dist.strategy: fsdp``) against DDP, with real processes: torchrun + gloo on localhost.
+
+Pinned: fp32, one thread per process, deterministic algorithms, momentum SGD at a constant rate (Adam's
+update divides by the root of the second moment, so the last-bit differences between a reduce-scatter and
+an all-reduce of a near-zero gradient can move one weight by up to the learning rate; momentum SGD keeps
+them at rounding level). Tolerance: 1e-5 on every weight after 20 steps.
+"""
+import json
+
+import pytest
+import torch
+
+from brickyard.config import build
+from brickyard.errors import ConfigError
+from brickyard.training import checkpoint
+from conftest import SYNTH, run_cli, sets
+
+BASE = SYNTH + ["train.deterministic=true", "train.epochs=10", "optim.name=momentum", "schedule.name=constant",
+                "data.global_batch_size=64", "data.synthetic.num_test=101", "data.eval_batch_size=11",
+                "train.log_every=5", "train.plots=false"]
+VIT = BASE + ["model.name=vit_tiny", "model.patch_size=7", "optim.lr=0.01"]
+TOL = 1e-5
+
+
+def _train(run_dir, *items, devices="cpu:2", resume=False):
+    args = ["train", *sets(*items), "--devices", devices, "--run-dir", str(run_dir)] + (["--resume", "auto"] if resume else [])
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _last(run_dir):
+    return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_fsdp_on_a_vit_trains_the_weights_of_ddp_holds_half_and_resumes_under_ddp(tmp_path):
+    ddp, fsdp, half = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "half"
+    _train(ddp, *VIT, "train.max_steps=20", "dist.grad_sync=ddp")
+    # activation checkpointing on top: the gradients are those of a plain backward pass
+    r = _train(fsdp, *VIT, "train.max_steps=20", "dist.strategy=fsdp", "train.activation_checkpointing=auto")
+    assert "FSDP: 12 blocks (blocks.0, blocks.1, blocks.2, blocks.3, ...) and the root sharded across 2 ranks" in r.stdout
+    assert "gradient sync fsdp" in r.stdout
+    a, b = _last(ddp), _last(fsdp)
+    assert b["step"] == 20 and _diff(a["model"], b["model"]) < TOL
+    # the checkpoint is whole: the optimiser's momentum in DDP's layout
+    assert all(_diff({0: a["optimizer"]["state"][i]["momentum_buffer"]}, {0: b["optimizer"]["state"][i]["momentum_buffer"]}) < TOL
+               for i in a["optimizer"]["state"])
+    s_ddp, s_fsdp = _summary(ddp), _summary(fsdp)
+    assert s_fsdp["strategy"] == "fsdp" and s_ddp["strategy"] == "ddp"
+    assert s_fsdp["test_accuracy"] == pytest.approx(s_ddp["test_accuracy"], abs=1e-6)  # uneven test shares (34/11 vs 33/11 batches)
+    for part in ("parameters", "optimizer_state"):  # measured from each rank's tensors: rank 0 holds about half
+        assert s_fsdp["held_per_rank"][part] <= 0.52 * s_ddp["held_per_rank"][part], (part, s_fsdp["held_per_rank"], s_ddp["held_per_rank"])
+    # 10 steps under FSDP, the other 10 under DDP: DDP's 20 steps
+    _train(half, *VIT, "train.max_steps=10", "dist.strategy=fsdp")
+    _train(half, "train.max_steps=20", "dist.strategy=ddp", "dist.grad_sync=ddp", resume=True)
+    c = _last(half)
+    assert c["step"] == 20 and _diff(a["model"], c["model"]) < TOL
+    # eval reads the FSDP run's checkpoint as any other
+    e = run_cli("eval", str(fsdp), "--split", "test")
+    assert e.returncode == 0, e.stderr
+    assert json.loads(e.stdout)["accuracy"] == pytest.approx(s_fsdp["test_accuracy"], abs=1e-6)
+
+
+MLP = BASE + ["model.name=mlp", "optim.lr=0.05", "train.ema=0.9"]
+
+
+def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_two(tmp_path):
+    ddp, fsdp, moved = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "moved"
+    _train(ddp, *MLP, "train.max_steps=20", "dist.grad_sync=ddp", devices="cpu:3")
+    r = _train(fsdp, *MLP, "train.max_steps=20", "dist.strategy=fsdp", devices="cpu:3")
+    assert "FSDP: the whole model as one unit sharded across 3 ranks" in r.stdout  # an MLP has no blocks
+    a, b = _last(ddp), _last(fsdp)
+    assert _diff(a["model"], b["model"]) < TOL
+    best_a = checkpoint.load(ddp / "checkpoints" / "best.pt")["model"]
+    assert _diff(best_a, checkpoint.load(fsdp / "checkpoints" / "best.pt")["model"]) < TOL  # EMA's averaged weights
+    assert _diff(dict(enumerate(a["callbacks"]["EMA{'decay': 0.9}"]["avg"])),
+                 dict(enumerate(b["callbacks"]["EMA{'decay': 0.9}"]["avg"]))) < TOL
+    s_ddp, s_fsdp = _summary(ddp), _summary(fsdp)
+    assert s_fsdp["held_per_rank"]["parameters"] <= 0.4 * s_ddp["held_per_rank"]["parameters"]
+    # a DDP run of 2 processes, resumed by FSDP on 3 (the global batch is the same 64 samples)
+    _train(moved, *MLP, "train.max_steps=10", "dist.grad_sync=ddp")
+    _train(moved, "train.max_steps=20", "dist.strategy=fsdp", "dist.grad_sync=auto", devices="cpu:3", resume=True)
+    assert _diff(a["model"], _last(moved)["model"]) < TOL
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["dist.mode=ps"], "dist.strategy: fsdp does not combine with dist.mode: ps"),
+    (["dist.grad_sync=flat"], "dist.strategy: fsdp does not combine with dist.grad_sync: flat"),
+    (["boost.snapshots.enabled=true"], "dist.strategy: fsdp does not combine with boost"),
+    (["train.watch=[fc1]"], "dist.strategy: fsdp does not combine with train.watch"),
+])
+def test_what_fsdp_does_not_combine_with_is_one_sentence(extra, message):
+    from brickyard.config import load_config
+    with pytest.raises(ConfigError, match=message):
+        load_config("mnist", ["dist.strategy=fsdp", *extra])
+
+
+def test_a_block_pattern_that_matches_nothing_is_refused_before_anything_is_written(tmp_path):
+    r = run_cli("train", *sets(*MLP, "dist.strategy=fsdp", "dist.fsdp.blocks=[blocks.*]"), "--devices", "cpu:2",
+                "--run-dir", str(tmp_path / "r"))
+    assert r.returncode != 0
+    assert "error: dist.fsdp.blocks: 'blocks.*' matches no module of Sequential" in r.stderr, r.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_fsdp_keys_are_in_the_schema():
+    cfg = build({"dist": {"strategy": "fsdp", "fsdp": {"blocks": ["layer?.*"], "offload": True}}})
+    assert cfg.dist.fsdp.blocks == ("layer?.*",) and cfg.dist.fsdp.offload
+    with pytest.raises(ConfigError, match="dist.strategy"):
+        build({"dist": {"strategy": "zero3"}})
+    assert torch.distributed.is_available()
