@@ -7,6 +7,12 @@ class BrickyardError(Exception):
     exit_code = 2
 
 
+class RendezvousError(BrickyardError):
+    """Joining the job failed in a way only this rank sees (rank 0 cannot tell it): said on every rank's console."""
+
+    every_rank = True
+
+
 class ConfigError(BrickyardError):
     """A configuration key, type or value that is not allowed."""
 

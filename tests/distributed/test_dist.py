@@ -280,7 +280,7 @@ def test_slurm_environment_gives_rank_world_local_and_master():
     (None, "error: under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST to find rank 0; "
            "run it with srun inside an allocation.")])
 def test_a_bad_slurm_environment_is_one_sentence(nodelist, message, tmp_path):
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": nodelist}
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": nodelist}
     full = {k: v for k, v in {**os.environ, **env}.items() if v is not None and k not in ("MASTER_ADDR", "RANK")}
     r = subprocess.run([sys.executable, "-m", "brickyard", "train", *sets(*SYNTH), "--run-dir", str(tmp_path / "r")],
                        capture_output=True, text=True, env=full, timeout=120)

@@ -99,7 +99,7 @@ def test_slurm_variables_set_by_hand_on_two_hosts(hosts, one, tmp_path):
     run = tmp_path / "run"
     procs = []
     for i in (1, 0):
-        env = {"SLURM_PROCID": str(i), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(i),
+        env = {"SLURM_PROCID": str(i), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": str(i),
                "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": "4242"}
         procs.append(h.popen(i, ["train", "mnist", *sets(*SAME), "--run-dir", str(run)],
                              env={**env, "MASTER_ADDR": None, "MASTER_PORT": None}))

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     try:
         return importlib.import_module(f"brickyard.cli.{MODULES[args.command]}").run(args)
     except BrickyardError as e:
-        if dist.prints_errors():  # other ranks hit the same error; theirs is in their workerlog
+        if dist.prints_errors() or getattr(e, "every_rank", False):  # other ranks hit the same error; theirs is in their workerlog
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

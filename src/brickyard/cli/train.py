@@ -49,6 +49,14 @@ def run(args) -> int:
         raise BrickyardError(f"--devices {args.devices} starts processes of its own, but srun has already started "
                              f"{os.environ['SLURM_NTASKS']} tasks, each one process: drop --devices "
                              f"(srun -n N brickyard train ... trains on N processes).")
+    tasks = slurm.batch_script_of_several_tasks()
+    if tasks and not args.devices:
+        raise BrickyardError(f"this is the batch script of a Slurm allocation of {tasks} tasks, but brickyard was not "
+                             f"started by srun: write `srun brickyard train ...` to train on {tasks} processes (one per "
+                             f"task), or pass --devices (--devices cpu: one process; cpu:{tasks} or GPU ids: processes "
+                             f"brickyard starts itself).")
+    if tasks:
+        slurm.leave_the_allocation_tasks()
     if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
         return launch.launch(args, cfg)
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)

@@ -24,6 +24,7 @@ class DistInfo:
     local_world_size: int = 1
     restart_count: int = 0
     master: tuple[str, int] | None = None  # derived under Slurm when MASTER_ADDR is not set
+    launcher: str = ""                     # "slurm" for tasks srun started; their rendezvous is brickyard's own store
 
     @property
     def is_main(self) -> bool:

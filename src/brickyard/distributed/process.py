@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as tdist
 
 from brickyard.distributed.env import DistInfo, from_env  # noqa: F401  (re-exported: dist.from_env())
+from brickyard.errors import RendezvousError
 from brickyard.launch import nodes
 
 
@@ -37,8 +39,62 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
         base = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
                               is_master=False, timeout=timeout)
         kwargs["store"] = tdist.PrefixStore(f"brickyard/attempt_{info.restart_count}", base)
+    elif info.launcher == "slurm":
+        kwargs["store"] = rendezvous(info, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
     tdist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
     return True
+
+
+HANDSHAKE_S = 15  # a rendezvous that accepted a connection answers at once; a foreign program never does
+
+
+def rendezvous(info: DistInfo, host: str, port: int, timeout_s: int):
+    """The job's key-value store for tasks that srun started: rank 0 opens it on ``port``, the others
+    connect. Each failure is a ``RendezvousError`` on the rank that sees it, within seconds where it
+    can be known (a port another program holds) and within ``timeout_s`` where it cannot (rank 0
+    never opened it), never a hang: torch's client, connected to a program that accepts and stays
+    silent, waits past its own timeout (seen with torch 2.13), so a rank first waits for the port
+    to accept, then gives the handshake ``HANDSHAKE_S`` seconds."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.rank == 0:
+        try:
+            return tdist.TCPStore(host, port, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        except RuntimeError as e:
+            if "in use" not in str(e).lower():
+                raise
+            raise RendezvousError(f"rank 0: port {port} on {host} is in use by another program, so the job's rendezvous "
+                                  f"cannot open there; set MASTER_PORT to a free port (the same for every task).") from None
+    _wait_until_listening(info.rank, host, port, timeout_s)
+    made: dict = {}
+
+    def connect():
+        try:
+            made["store"] = tdist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+        except RuntimeError as e:
+            made["error"] = e
+
+    thread = threading.Thread(target=connect, name="brickyard-rendezvous", daemon=True)
+    thread.start()
+    thread.join(HANDSHAKE_S)
+    if "store" in made:
+        return made["store"]
+    raise RendezvousError(f"rank {info.rank}: the program listening at {host}:{port} does not answer as rank 0's "
+                          f"rendezvous, so another program holds MASTER_PORT; set MASTER_PORT to a free port "
+                          f"(the same for every task).")
+
+
+def _wait_until_listening(rank: int, host: str, port: int, timeout_s: int) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"rank {rank}: nothing answered at {host}:{port} within dist.timeout_s={timeout_s}s: "
+                                      f"rank 0 did not open the job's rendezvous there (it failed before it could, or "
+                                      f"{host} cannot be reached from this node).") from None
+            time.sleep(0.25)
 
 
 def shutdown() -> None:

@@ -29,7 +29,8 @@ def from_slurm(env, make):
                                  "to find rank 0; run it with srun inside an allocation.")
         port = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0))
         master = (slurm_hosts(nodelist)[0], int(port))
-    return make(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), world, local_world, master=master)
+    return make(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), world, local_world, master=master,
+                launcher="slurm")
 
 
 def slurm_hosts(nodelist: str) -> list[str]:
@@ -75,6 +76,20 @@ def task_of_a_step(env=None) -> bool:
     """This process is one of several tasks that ``srun`` started (a job step of more than one task)."""
     env = os.environ if env is None else env
     return int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+
+
+def batch_script_of_several_tasks(env=None) -> int:
+    """The task count when this process is the batch script of an allocation of several tasks (``sbatch -n
+    2``: ``SLURM_NTASKS=2`` and ``SLURM_PROCID=0`` but no job step), where brickyard was not started by
+    srun; else 0."""
+    env = os.environ if env is None else env
+    n = int(env.get("SLURM_NTASKS", "1") or 1)
+    return n if n > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" not in env and "RANK" not in env else 0
+
+
+def leave_the_allocation_tasks() -> None:
+    """Run as the user asked (``--devices``) in a batch script: not as one of the allocation's tasks."""
+    os.environ.pop("SLURM_PROCID", None)
 
 
 def run_name(preset: str, env=None) -> Path | None:
