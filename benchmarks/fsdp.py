@@ -3,8 +3,10 @@
 Each case is a real `brickyard train` of a vision transformer on synthetic 3x64x64 images with AdamW,
 2 processes (`--devices cpu:2`), run in turn (A B C A B C ...). Printed per case: images/s of the
 training loop, what rank 0 holds of parameters and optimiser state (measured from its tensors,
-`summary.json`'s `held_per_rank`), its peak resident memory (ru_maxrss, which also counts Python,
-torch and the data), and `brickyard memory`'s per-rank estimate for the same settings.
+`summary.json`'s `held_per_rank`), its peak resident memory above what it had when training began
+(ru_maxrss minus the resident memory at `train()`'s start: the model, its gradients, optimiser state,
+activations, and what the allocator keeps), and `brickyard memory`'s per-rank estimate for the same
+settings (which counts the in-memory data set too: subtract it to compare).
 
     python benchmarks/fsdp.py [--model vit_small] [--rounds 2] [--steps 12]
 """
@@ -67,9 +69,9 @@ def main(argv=None):
     for case, rs in results.items():
         held = rs[-1]["held_per_rank"]
         ips = statistics.median(r["images_per_second"] for r in rs)
-        rss = statistics.median(r.get("peak_host_rss_mb", 0) for r in rs)
+        rss = statistics.median(r["peak_host_rss_mb"] - r["host_rss_at_start_mb"] for r in rs)
         print(f"{case:<22} {ips:7.1f} img/s; rank 0 holds parameters {held['parameters'] / 2**20:6.1f} MiB, "
-              f"optimiser state {held['optimizer_state'] / 2**20:6.1f} MiB; peak RSS {rss:6.0f} MiB; "
+              f"optimiser state {held['optimizer_state'] / 2**20:6.1f} MiB; peak RSS above the start {rss:6.0f} MiB; "
               f"estimate {estimate(case, a.model, a.steps, a.batch)}")
 
 

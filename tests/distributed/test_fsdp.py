@@ -10,7 +10,10 @@ import json
 import pytest
 import torch
 
-from brickyard.config import build
+from brickyard.api import build_model
+from brickyard.config import build, load_config
+from brickyard.data import build_data
+from brickyard.tools import memory
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint
 from conftest import SYNTH, run_cli, sets
@@ -18,7 +21,8 @@ from conftest import SYNTH, run_cli, sets
 BASE = SYNTH + ["train.deterministic=true", "train.epochs=10", "optim.name=momentum", "schedule.name=constant",
                 "data.global_batch_size=64", "data.synthetic.num_test=101", "data.eval_batch_size=11",
                 "train.log_every=5", "train.plots=false"]
-VIT = BASE + ["model.name=vit_tiny", "model.patch_size=7", "optim.lr=0.01"]
+# colour images: DDP runs channels_last, FSDP (which shards contiguous parameters only) does not
+VIT = BASE + ["model.name=vit_tiny", "model.patch_size=7", "optim.lr=0.01", "data.synthetic.channels=3"]
 TOL = 1e-5
 
 
@@ -59,6 +63,12 @@ def test_fsdp_on_a_vit_trains_the_weights_of_ddp_holds_half_and_resumes_under_dd
     assert s_fsdp["test_accuracy"] == pytest.approx(s_ddp["test_accuracy"], abs=1e-6)  # uneven test shares (34/11 vs 33/11 batches)
     for part in ("parameters", "optimizer_state"):  # measured from each rank's tensors: rank 0 holds about half
         assert s_fsdp["held_per_rank"][part] <= 0.52 * s_ddp["held_per_rank"][part], (part, s_fsdp["held_per_rank"], s_ddp["held_per_rank"])
+    # brickyard memory's per-rank estimate of the shards, against what rank 0 held (1%: its shard of each tensor is the larger one)
+    cfg = load_config("mnist", VIT + ["dist.strategy=fsdp"])
+    data = build_data(cfg.data)
+    est = memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu"), 2)
+    for part in ("parameters", "optimizer_state"):
+        assert est["sharded"][part] == pytest.approx(s_fsdp["held_per_rank"][part], rel=0.01), part
     # 10 steps under FSDP, the other 10 under DDP: DDP's 20 steps
     _train(half, *VIT, "train.max_steps=10", "dist.strategy=fsdp")
     _train(half, "train.max_steps=20", "dist.strategy=ddp", "dist.grad_sync=ddp", resume=True)
@@ -90,6 +100,19 @@ def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_tw
     _train(moved, *MLP, "train.max_steps=10", "dist.grad_sync=ddp")
     _train(moved, "train.max_steps=20", "dist.strategy=fsdp", "dist.grad_sync=auto", devices="cpu:3", resume=True)
     assert _diff(a["model"], _last(moved)["model"]) < TOL
+
+
+def test_fsdp_in_bf16_gathers_bf16_weights_and_trains_as_ddp_under_autocast(tmp_path):
+    """train.precision: bf16 (emulated on CPUs without AVX-512-BF16, forced here either way): FSDP computes
+    with bf16 copies of the weights and reduces the gradients in fp32; DDP autocasts fp32 weights. Both
+    round the same products to bf16, so the weights agree to bf16 rounding after 10 steps."""
+    bf16 = [s for s in MLP if s not in ("train.precision=fp32", "train.ema=0.9")] + ["train.precision=bf16", "train.max_steps=10"]
+    _train(tmp_path / "ddp", *bf16, "dist.grad_sync=ddp")
+    _train(tmp_path / "fsdp", *bf16, "dist.strategy=fsdp")
+    assert _summary(tmp_path / "fsdp")["precision"] == "bf16"
+    a, b = _last(tmp_path / "ddp")["model"], _last(tmp_path / "fsdp")["model"]
+    assert all(v.dtype == torch.float32 for v in b.values())  # the sharded weights and the checkpoint stay fp32
+    assert _diff(a, b) < 2e-3, _diff(a, b)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -47,6 +47,31 @@ def test_memory_command_prints_the_breakdown():
     assert bad.returncode == 2 and "expected a number with a unit" in bad.stderr
 
 
+def test_per_rank_estimates_for_ddp_fsdp_offload_and_checkpointing():
+    """FSDP's shards are 1/world of DDP's whole tensors; offload leaves the gathered parts; activation
+    checkpointing's saving is the measured one; the largest batch grows in that order."""
+    cfg = load_config("mnist", SYNTH + ["model.name=vit_tiny", "model.patch_size=7", "optim.name=adamw",
+                                        "dist.strategy=fsdp", "data.global_batch_size=64"])
+    data = build_data(cfg.data)
+    est = memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu"), 2)
+    assert est["strategy"] == "fsdp" and est["whole"] == est["parameters"] * 4  # AdamW: weights, grads, 2 states
+    assert sum(est["sharded"].values()) == pytest.approx(est["whole"] / 2, rel=1e-6)
+    block = sum(p.numel() * 4 for p in build_model(cfg, data).blocks[0].parameters())
+    assert est["gathered"] >= 3 * block  # a block, the one prefetched, and a block's gradients before reduce-scatter
+    rows = {label: (fixed, per) for label, fixed, per in memory.strategies(est)}
+    assert list(rows) == ["ddp", "ddp + activation checkpointing", "fsdp", "fsdp + activation checkpointing",
+                          "fsdp + offload (GPU)", "fsdp + offload (GPU) + activation checkpointing"]
+    fits = [memory.largest_batch({"fixed": f, "per_sample_total": p}, 2**30) for f, p in rows.values()]
+    assert fits[0] < fits[2] < fits[4] and fits[0] < fits[1]
+    assert rows["ddp"][1] > rows["ddp + activation checkpointing"][1]
+    assert est["total"] == pytest.approx(rows["fsdp"][0] + rows["fsdp"][1] * est["batch"])
+    r = run_cli("memory", *sum((["--set", s] for s in SYNTH + ["model.name=vit_tiny", "model.patch_size=7", "dist.strategy=fsdp"]), []),
+                "--devices", "cpu:2", "--device-memory", "2GiB")
+    assert r.returncode == 0, r.stderr
+    assert "world size 2, fsdp):" in r.stdout and "parameters (1/2)" in r.stdout and "gathered while computing" in r.stdout
+    assert "fsdp + offload (GPU) + activation checkpointing" in r.stdout
+
+
 def test_parse_size():
     assert memory.parse_size("16GiB") == 16 * 2**30 and memory.parse_size("512 MB") == 512e6
     with pytest.raises(BrickyardError):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,12 +54,6 @@ SUPERLINEAR = 1.15  # scaling efficiency above this is a measurement problem, an
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _peak_memory(device) -> dict:
-    if device.type == "cuda":
-        return {"peak_device_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
-    return {"peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
@@ -104,7 +97,7 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
             "precision": host.precision, "channels_last": host.channels_last, "threads_per_process": host.threads,
             "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": job.sync.name,
             "loader": type(job.loader).__name__, "model": cfg.model.name, "data": cfg.data.name, "steps": steps,
-            "warmup": warmup, **_peak_memory(host.device),
+            "warmup": warmup, **dev.peak_memory(host.device),
         }
         result["verdict"] = verdict(result)
         return result

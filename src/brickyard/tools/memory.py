@@ -5,6 +5,14 @@ a real forward and backward at two small batch sizes with ``saved_tensors_hooks`
 bytes autograd keeps for backward, fitted to ``fixed + per_sample x batch`` and extrapolated.
 The in-memory data set lives on the device too. Not counted: allocator fragmentation and
 framework workspaces (cuDNN), which is why the GPU check below compares against a real step.
+
+Per rank, for each way to train (``strategies``): DDP holds everything whole. FSDP
+(``dist.strategy: fsdp``) holds 1/world of the parameters, gradients and optimiser state, plus
+what it gathers while it computes: the root's own parameters (stem, head: kept gathered from the
+forward to the backward), the block being computed and the next one (FSDP2 prefetches one), in the
+compute precision, and the unsharded gradients of a block and the root before their reduce-scatter.
+With ``dist.fsdp.offload`` (GPUs) the shards live in host memory; the device keeps the gathered
+parts. Activation checkpointing keeps the blocks' inputs instead of their activations (measured).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from brickyard import models
+from brickyard.models import find_blocks
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import device_batches
 from brickyard.errors import BrickyardError
@@ -89,6 +98,15 @@ def _activations_per_batch(model, data, channels_last: bool, precision: str, che
     return max(0.0, acts[0] - per_sample * sizes[0]), per_sample
 
 
+def _units(model, cfg) -> tuple[int, int]:
+    """(bytes of the root's own parameters, of the largest block's) as FSDP would shard them, in fp32."""
+    modules = dict(model.named_modules())
+    blocks = [sum(p.numel() * p.element_size() for p in modules[n].parameters())
+              for n in find_blocks(model, cfg.dist.fsdp.blocks, "dist.fsdp.blocks")]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - sum(blocks), max(blocks, default=0)
+
+
 def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dict:
     precision = dev.resolve_precision(cfg.train.precision, device)  # as training resolves it (auto: bf16 where native)
     channels_last = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
@@ -103,13 +121,16 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     m = model.to(torch.device("cpu"), memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
     plain = _activations_per_batch(m, data, channels_last, precision)
     act_fixed, per_sample = plain
-    checkpointing = None
-    if activation_checkpointing.choose(m, cfg.train.activation_checkpointing):
+    checkpointing, setting = None, cfg.train.activation_checkpointing or "auto"  # measured for the comparison too
+    if activation_checkpointing.choose(m, setting):
         copy = copy_module.deepcopy(m)
-        names = activation_checkpointing.apply(copy, cfg.train.activation_checkpointing)
+        names = activation_checkpointing.apply(copy, setting)
         modules = dict(copy.named_modules())
-        act_fixed, per_sample = _activations_per_batch(copy, data, channels_last, precision, [modules[n] for n in names])
-        checkpointing = {"blocks": len(names), "without_per_sample": plain[1], "without_fixed": plain[0]}
+        with_ac = _activations_per_batch(copy, data, channels_last, precision, [modules[n] for n in names])
+        checkpointing = {"blocks": len(names), "without_per_sample": plain[1], "without_fixed": plain[0],
+                         "with_fixed": with_ac[0], "with_per_sample": with_ac[1], "on": bool(cfg.train.activation_checkpointing)}
+        if checkpointing["on"]:
+            act_fixed, per_sample = with_ac
     c, (h, w) = data.in_channels, data.image_size
     batch = device_batch(cfg, world_size)
     act_b = act_fixed + per_sample * batch
@@ -119,7 +140,15 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     sample_b = c * h * w  # uint8 batches from the loader
     batch_b = batch * sample_b * 4 * 3  # the float batch, its normalised copy and the augmented one
     loader_b = 0 if in_memory else cfg.data.num_workers * cfg.data.prefetch * batch * sample_b
-    fixed = param_b + grad_b + state_b + act_fixed + data_b
+    world = max(world_size, 1)
+    root_b, block_b = _units(m, cfg)
+    low = 0.5 if precision in ("bf16", "fp16") else 1.0  # FSDP gathers in the compute precision
+    sharded = {"parameters": -(-param_b // world), "gradients": -(-grad_b // world), "optimizer_state": -(-state_b // world)}
+    gathered = low * (root_b + 2 * block_b) + root_b + block_b  # root + block + prefetched one; their unsharded grads
+    fsdp = cfg.dist.strategy == "fsdp" and world > 1
+    offload = fsdp and cfg.dist.fsdp.offload and device.type == "cuda"
+    held = (0 if offload else sum(sharded.values())) + gathered if fsdp else param_b + grad_b + state_b
+    fixed = held + act_fixed + data_b
     total = fixed + per_sample * batch + batch_b
     return {
         "parameters": param_b, "gradients": grad_b, "optimizer_state": state_b, "optimizer_copies": copies,
@@ -127,7 +156,25 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
         "loader_host_buffers": loader_b, "total": total, "batch": batch, "precision": precision,
         "per_sample_total": per_sample + 12 * sample_b, "fixed": fixed, "world_size": world_size,
         "activation_checkpointing": checkpointing, "activations_fixed": act_fixed,
+        "strategy": ("fsdp + offload" if offload else "fsdp") if fsdp else "ddp", "sharded": sharded,
+        "gathered": gathered, "whole": param_b + grad_b + state_b, "data_fixed": data_b, "sample_buffers": 12 * sample_b,
+        "host_offloaded": sum(sharded.values()) if offload else 0,
     }
+
+
+def strategies(est: dict) -> list[tuple[str, float, float]]:
+    """(label, fixed bytes, bytes per sample) per rank for DDP, FSDP, FSDP with offload, each with and
+    without activation checkpointing (where the model has blocks to checkpoint)."""
+    ac = est["activation_checkpointing"]
+    acts = [("", ac["without_fixed"] if ac else est["activations_fixed"],
+             ac["without_per_sample"] if ac else est["activations_per_sample"])]
+    if ac:
+        acts.append((" + activation checkpointing", ac["with_fixed"], ac["with_per_sample"]))
+    holds = [("ddp", est["whole"])]
+    if est["world_size"] > 1:
+        holds += [("fsdp", sum(est["sharded"].values()) + est["gathered"]), ("fsdp + offload (GPU)", est["gathered"])]
+    return [(name + label, held + a_fixed + est["data_fixed"], a_per + est["sample_buffers"])
+            for name, held in holds for label, a_fixed, a_per in acts]
 
 
 def largest_batch(est: dict, device_memory: int, headroom: float = 0.9) -> int:
@@ -137,16 +184,24 @@ def largest_batch(est: dict, device_memory: int, headroom: float = 0.9) -> int:
 
 def report(est: dict, device_memory: int | None, device_label: str) -> str:
     lines = [f"memory per device ({device_label}, batch {est['batch']} per device, precision {est['precision']}, "
-             f"world size {est['world_size']}):"]
-    rows = [("parameters", est["parameters"]), ("gradients", est["gradients"]),
-            (f"optimiser state ({est['optimizer_copies']} cop{'y' if est['optimizer_copies'] == 1 else 'ies'})", est["optimizer_state"]),
+             f"world size {est['world_size']}, {est['strategy']}):"]
+    copies = f"optimiser state ({est['optimizer_copies']} cop{'y' if est['optimizer_copies'] == 1 else 'ies'})"
+    if est["strategy"] == "ddp":
+        rows = [("parameters", est["parameters"]), ("gradients", est["gradients"]), (copies, est["optimizer_state"])]
+    else:
+        where = "in host memory" if est["host_offloaded"] else f"1/{est['world_size']}"
+        rows = [(f"parameters ({where})", 0 if est["host_offloaded"] else est["sharded"]["parameters"]),
+                (f"gradients ({where})", 0 if est["host_offloaded"] else est["sharded"]["gradients"]),
+                (f"{copies} ({where})", 0 if est["host_offloaded"] else est["sharded"]["optimizer_state"]),
+                ("gathered while computing", est["gathered"])]
+    rows += [
             (f"activations ({fmt(est['activations_per_sample'])}/sample)", est["activations"]),
             ("batch buffers", est["batch_buffers"]), ("in-memory data set", est["data_on_device"]),
             ("total", est["total"])]
     for name, v in rows:
         lines.append(f"  {name:<38} {fmt(v):>14}")
     ac = est.get("activation_checkpointing")
-    if ac:
+    if ac and ac["on"]:
         without = {**est, "fixed": est["fixed"] - est["activations_fixed"] + ac["without_fixed"],
                    "per_sample_total": est["per_sample_total"] - est["activations_per_sample"] + ac["without_per_sample"]}
         lines.append(f"  activation checkpointing on {ac['blocks']} blocks: activations {fmt(est['activations_per_sample'])}"
@@ -161,6 +216,11 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
         verdict = "fits" if est["total"] <= device_memory * 0.9 else "does NOT fit"
         lines.append(f"with {fmt(device_memory)} per device (90% usable): batch {est['batch']} {verdict}; "
                      f"largest batch that fits: {fits:,}")
+    lines.append(f"per rank, world size {est['world_size']}, batch {est['batch']}"
+                 + (f" (largest batch that fits in {fmt(device_memory)})" if device_memory else "") + ":")
+    for label, fixed, per in strategies(est):
+        fits = f"  {largest_batch({'fixed': fixed, 'per_sample_total': per}, device_memory):>9,}" if device_memory else ""
+        lines.append(f"  {label:<50} {fmt(fixed + per * est['batch']):>14}{fits}")
     return "\n".join(lines)
 
 

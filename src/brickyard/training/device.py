@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import resource
 import sys
 from dataclasses import dataclass
 
@@ -154,3 +155,19 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+
+
+def rss_mib() -> float:
+    """This process's resident memory now, in MiB (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The peak of the device's allocations (GPU), or of this process's resident memory (CPU), in MiB."""
+    if device.type == "cuda":
+        return {"peak_device_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+    return {"peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}

@@ -92,7 +92,8 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
         channels_last=e.channels_last, model=e.meta.get("name"), data=data.name,
         strategy=cfg.dist.strategy if e.sharded else "ddp" if run.world_size > 1 else "none",
-        held_per_rank=fsdp.held_bytes(run.model, run.optimizer),
+        held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
+        host_rss_at_start_mb=round(e.rss_at_start_mb, 1),
         epoch_seconds=e.epoch_seconds, run_dir=str(run.run_dir),
     )
     tb.close()

@@ -140,7 +140,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
           callbacks=(), loss_fn=None, train_step=None) -> dict:
     """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
     req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
-                  loss_fn, train_step, started=time.perf_counter())
+                  loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)  # likewise
     if cfg.dist.strategy == "fsdp":
@@ -211,6 +211,7 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter) ->
         cfg = req.config = setup.resolve_auto_batch(cfg, req.model, req.data, host.device, info, log)
     run = setup.build_run(req, host, log)
     e = run._engine
+    e.rss_at_start_mb = req.rss_at_start_mb
     if e.update is None:  # a parameter server: it serves until the trainers are done
         return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)

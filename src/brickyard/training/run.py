@@ -34,6 +34,7 @@ class Request:
     loss_fn: Callable | None = None
     train_step: Callable | None = None
     started: float = 0.0                       # time.perf_counter() when train() began (the summary's wall time)
+    rss_at_start_mb: float = 0.0               # resident memory then (the summary's peak is above it)
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class Engine:
     data_wait: float = 0.0            # seconds waiting for batches in the current log window
     batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch: the NaN guard, P-BFGS
     check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
+    rss_at_start_mb: float = 0.0      # resident memory when train() began (the summary's peak is above it)
     sharded: bool = False             # FSDP: saving and evaluating are collectives every rank takes part in
     backward_done: bool = False       # the step called ``run.backward`` itself
     batch_weight: float = 1.0         # local batch / global batch x ranks / accumulation: mean loss -> gradient weight

@@ -49,7 +49,8 @@ def build_run(req: Request, host, log) -> Run:
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    channels_last = host.channels_last and data.is_images
+    sharding = cfg.dist.strategy == "fsdp" and info.distributed
+    channels_last = host.channels_last and data.is_images and not sharding  # FSDP shards contiguous parameters only
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
