@@ -20,7 +20,7 @@ def add(sub) -> None:
     for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds"),
                       ("export", "write a data set as a PNG image folder (train/, val/, test/)")):
         a = dsub.add_parser(name, help=doc)
-        a.add_argument("name", help="mnist or fashion-mnist")
+        a.add_argument("name", help="mnist, fashion-mnist" + (", cifar10 or cifar100" if name != "export" else ""))
         if name == "export":
             a.add_argument("out", metavar="DIR", help="folder to write")
             a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split")
@@ -29,9 +29,11 @@ def add(sub) -> None:
 
 def run(args) -> int:
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
-    from brickyard.data import idx
+    from brickyard.data import cifar, idx
     if args.data_command is None:
         raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
+    if args.name in cifar.SPECS and args.data_command != "export":
+        return _cifar(args, cifar, idx)
     if args.name not in idx.SPECS:
         raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
     if args.data_command == "export":
@@ -54,4 +56,19 @@ def run(args) -> int:
     tr, te = arrays["train-images-idx3-ubyte"], arrays["t10k-images-idx3-ubyte"]
     print(f"found in {folder}: train {tuple(tr.shape)} uint8, test {tuple(te.shape)} uint8 (checksums verified)")
     print("default split: train 50,000 / val 10,000 / test 10,000 (data.train_on_all: true trains on 60,000)")
+    return 0
+
+
+def _cifar(args, cifar, idx) -> int:
+    """``fetch`` and ``info`` of CIFAR-10/100 (the binary archives)."""
+    folder = cifar.locate(args.name, args.root)
+    if args.data_command == "info" and folder is None:
+        print(f"{args.name}: looked up in {', '.join(str(d) for d in idx.candidate_dirs(args.name, args.root))}")
+        print("not present; `brickyard data fetch` downloads it")
+        return 1
+    arrays = cifar.load(args.name, args.root, allow_download=args.data_command == "fetch")
+    (xtr, _), (xte, _) = arrays["train"], arrays["test"]
+    print(f"{args.name}: {len(xtr):,} train + {len(xte):,} test images of {len(arrays['classes'])} classes "
+          f"({', '.join(arrays['classes'][:10])}{', ...' if len(arrays['classes']) > 10 else ''}) in "
+          f"{cifar.locate(args.name, args.root)}; default split: the last 10% of train for validation")
     return 0

@@ -41,7 +41,7 @@ class SyntheticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "synthetic", "imagefolder"))
+    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "imagefolder"))
     root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
     global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from brickyard.data import idx
+from brickyard.data import cifar, idx
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.imagefolder import decode, imagefolder_bundle, scan
 from brickyard.data.synthetic import synthetic_bundle
@@ -37,6 +38,8 @@ def _build(cfg) -> DataBundle:
             channels = decode(files[0]).shape[0]
         return imagefolder_bundle(cfg, channels or 3)
 
+    if cfg.name in cifar.SPECS:
+        return _cifar(cfg)
     arrays = idx.load_idx(cfg.name, cfg.root, cfg.download)
     x_train = torch.from_numpy(arrays["train-images-idx3-ubyte"].copy()).unsqueeze(1)
     y_train = torch.from_numpy(arrays["train-labels-idx1-ubyte"].astype("int64"))
@@ -48,6 +51,23 @@ def _build(cfg) -> DataBundle:
         train, val = Split(x_train[:50000], y_train[:50000]), Split(x_train[50000:], y_train[50000:])
     mean, std = MNIST_STATS[cfg.name]
     return DataBundle(cfg.name, train, val, Split(x_test, y_test), 10, 1, (28, 28), mean, std, list(idx.classes(cfg.name)))
+
+
+def _cifar(cfg) -> DataBundle:
+    """CIFAR-10/100: the 50,000 training images less the last 10% for validation (45,000 / 5,000), and the
+    10,000 test images; ``data.train_on_all`` trains on all 50,000."""
+    arrays = cifar.load(cfg.name, cfg.root, cfg.download)
+    (xtr, ytr), (xte, yte) = arrays["train"], arrays["test"]
+    x, y = torch.from_numpy(np.ascontiguousarray(xtr)), torch.from_numpy(ytr.astype("int64"))
+    if cfg.train_on_all:
+        train, val = Split(x, y), None
+    else:
+        n = len(x) - len(x) // 10
+        train, val = Split(x[:n], y[:n]), Split(x[n:], y[n:])
+    test = Split(torch.from_numpy(np.ascontiguousarray(xte)), torch.from_numpy(yte.astype("int64")))
+    mean, std = cifar.STATS[cfg.name]
+    classes = [str(c) for c in arrays["classes"]]
+    return DataBundle(cfg.name, train, val, test, len(classes), 3, (32, 32), mean, std, classes)
 
 
 def _subset(bundle: DataBundle, cfg) -> DataBundle:
