@@ -17,6 +17,7 @@ from brickyard.data import DataBundle, build_data, from_user
 from brickyard.data.augment import DevicePrep
 from brickyard.distributed import env as dist_env
 from brickyard.errors import ConfigError
+from brickyard.models import pretrained
 from brickyard.models.finetune import prepare
 from brickyard.observe.logs import Logger
 from brickyard.observe.runlog import default_run_dir
@@ -88,6 +89,9 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True, "options": {"patch_size": cfg.model.patch_size} if cfg.model.patch_size else {}}
     ft = cfg.finetune
+    if pretrained.is_named(ft.init_from) and pretrained.model_for(ft.init_from) != cfg.model.name:
+        raise ConfigError(f"finetune.init_from: {ft.init_from} holds the weights of {pretrained.model_for(ft.init_from)}; "
+                          f"set model.name: {pretrained.model_for(ft.init_from)} (this run builds {cfg.model.name}).")
     if ft.init_from or ft.reset_head or ft.freeze:
         with Logger(dist_env.from_env().rank) as log:
             prepare(model, ft, cfg.model.num_classes or data.num_classes, log)

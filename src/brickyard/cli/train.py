@@ -57,6 +57,9 @@ def run(args) -> int:
                              f"brickyard starts itself).")
     if tasks:
         slurm.leave_the_allocation_tasks()
+    if args.devices and str(cfg.finetune.init_from).startswith("torchvision:"):
+        from brickyard.models import pretrained  # lazy: imports torch (cli/main.py: start-up time)
+        pretrained.fetch(cfg.finetune.init_from)  # once, before the workers start: each then finds it in the cache
     if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
         return launch.launch(args, cfg)
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)

@@ -182,7 +182,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors)")
+    init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors), or published weights: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16")
     reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
     freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*]")
     head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")

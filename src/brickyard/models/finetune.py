@@ -1,7 +1,8 @@
 """Fine-tuning: start from saved weights, replace the head, freeze layers.
 
 ``finetune.init_from`` accepts a brickyard checkpoint, a plain ``state_dict`` file (``.pt``,
-``.pth``) such as torchvision's ImageNet weights, or a ``.safetensors`` file; all are loaded
+``.pth``) such as torchvision's ImageNet weights, a ``.safetensors`` file, or published weights by
+name (``torchvision:resnet50``, ``models.pretrained``); all are loaded
 without executing code (``torch.load(weights_only=True)`` / safetensors). The registry's ResNets
 and VGG use torchvision's key names, so those files load unchanged; a ``module.`` prefix left
 by DataParallel/DDP is stripped.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from brickyard.errors import CheckpointError, ConfigError
+from brickyard.models import pretrained
 
 
 def find_head(model: nn.Module) -> str:
@@ -26,7 +28,7 @@ def find_head(model: nn.Module) -> str:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path).expanduser()
+    path = pretrained.fetch(path) if pretrained.is_named(path) else Path(path).expanduser()
     if not path.is_file():
         raise CheckpointError(f"finetune.init_from: {path} does not exist.")
     if path.suffix == ".safetensors":
