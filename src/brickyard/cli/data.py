@@ -17,6 +17,13 @@ def add(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
     d = sub.add_parser("data", help="fetch or describe a data set", epilog=EXAMPLES, formatter_class=raw)
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
+    photos = dsub.add_parser("make-photos", help="write a photo-like JPEG image folder for tests and benchmarks (docs/images-and-finetuning.md)")
+    photos.add_argument("out", metavar="DIR", help="folder to write (train/, val/, test/)")
+    photos.add_argument("--classes", type=int, default=10)
+    photos.add_argument("--per-class", type=int, nargs=3, default=[100, 20, 20], metavar=("TRAIN", "VAL", "TEST"))
+    photos.add_argument("--seed", type=int, default=0)
+    photos.add_argument("--min-size", type=int, default=64)
+    photos.add_argument("--max-size", type=int, default=512)
     for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds"),
                       ("export", "write a data set as a PNG image folder (train/, val/, test/)")):
         a = dsub.add_parser(name, help=doc)
@@ -24,6 +31,7 @@ def add(sub) -> None:
         if name == "export":
             a.add_argument("out", metavar="DIR", help="folder to write")
             a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split")
+            a.add_argument("--jpeg", type=int, default=0, metavar="SIZE", help="RGB JPEGs upscaled to SIZE px (a photo-sized benchmark workload)")
         a.add_argument("--root", help="folder holding the data set's files")
 
 
@@ -32,14 +40,17 @@ def run(args) -> int:
     from brickyard.data import cifar, idx
     if args.data_command is None:
         raise BrickyardError("data: say fetch or info, e.g. `brickyard data fetch mnist`.")
+    if args.data_command == "make-photos":
+        return _photos(args)
     if args.name in cifar.SPECS and args.data_command != "export":
         return _cifar(args, cifar, idx)
     if args.name not in idx.SPECS:
         raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
     if args.data_command == "export":
         from brickyard.data.export import export_idx
-        counts = export_idx(args.name, Path(args.out), args.root, args.limit)
-        print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} PNG images to {args.out}")
+        counts = export_idx(args.name, Path(args.out), args.root, args.limit, args.jpeg)
+        kind = f"{args.jpeg}x{args.jpeg} RGB JPEG" if args.jpeg else "PNG"
+        print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} {kind} images to {args.out}")
         return 0
     if args.data_command == "fetch":
         arrays = idx.load_idx(args.name, args.root, allow_download=True)
@@ -71,4 +82,16 @@ def _cifar(args, cifar, idx) -> int:
     print(f"{args.name}: {len(xtr):,} train + {len(xte):,} test images of {len(arrays['classes'])} classes "
           f"({', '.join(arrays['classes'][:10])}{', ...' if len(arrays['classes']) > 10 else ''}) in "
           f"{cifar.locate(args.name, args.root)}; default split: the last 10% of train for validation")
+    return 0
+
+
+def _photos(args) -> int:
+    from brickyard.data.photos import make_photo_folder
+    if args.classes < 2 or min(args.per_class) < 1 or not 16 <= args.min_size <= args.max_size:
+        raise BrickyardError("data make-photos: --classes must be at least 2, every --per-class count at least 1, "
+                             "and 16 <= --min-size <= --max-size.")
+    counts = make_photo_folder(Path(args.out), args.classes, dict(zip(("train", "val", "test"), args.per_class)),
+                               args.seed, args.min_size, args.max_size)
+    print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} JPEG images of {args.classes} classes to {args.out} "
+          f"(seed {args.seed}); train on it with --set data.name=imagefolder --set data.root={args.out}")
     return 0

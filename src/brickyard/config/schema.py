@@ -63,7 +63,7 @@ class DataConfig:
     channels: int = _opt(0, min=0, doc="imagefolder channels (0 = from the first training image)")
     val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="imagefolder without val/: hold out this fraction of train")
     skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
-    cache: str = _opt("none", choices=("none", "memory"), doc="imagefolder: keep decoded training images in shared memory after the first epoch")
+    cache: str = _opt("none", choices=("none", "memory", "disk"), doc="imagefolder: memory keeps the deterministic part of each training image in shared memory after the first epoch; disk decodes every training image once into a uint8 file beside the data (ROOT/.brickyard-cache), memory-mapped by every later run and epoch")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from PIL import Image
 from brickyard.data import idx
 
 
-def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0) -> dict[str, int]:
+def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jpeg_size: int = 0) -> dict[str, int]:
+    """``jpeg_size``: write RGB JPEGs upscaled to that many pixels a side (bicubic, quality 90), a
+    benchmark workload of photo-sized files with MNIST's labels; 0 writes the images as they are (PNG)."""
     arrays = idx.load_idx(name, root, allow_download=True)
     x, y = arrays["train-images-idx3-ubyte"], arrays["train-labels-idx1-ubyte"]
     splits = {"train": (x[:50000], y[:50000]), "val": (x[50000:], y[50000:]),
@@ -31,11 +33,15 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0) ->
         for c in classes:
             (out / split / c).mkdir(parents=True, exist_ok=True)
         for i in keep:
-            path = out / split / classes[int(labels[i])] / f"{i:05d}.png"
+            path = out / split / classes[int(labels[i])] / f"{i:05d}.{'jpg' if jpeg_size else 'png'}"
             if path.exists():
                 continue
             tmp = path.with_name(f".{path.name}.tmp")
-            Image.fromarray(np.asarray(images[i])).save(tmp, format="PNG")
+            im = Image.fromarray(np.asarray(images[i]))
+            if jpeg_size:
+                im.convert("RGB").resize((jpeg_size, jpeg_size), Image.BICUBIC).save(tmp, format="JPEG", quality=90)
+            else:
+                im.save(tmp, format="PNG")
             os.replace(tmp, path)
         counts[split] = len(keep)
     return counts

@@ -1,11 +1,24 @@
 """Image-folder data sets: ``ROOT/train/<class>/*.png|jpg``, ``ROOT/test/...``, optional ``ROOT/val/...``.
 
 Class names are the sorted folder names of ``train``. Images are decoded with Pillow in the
-DataLoader workers and transformed with torch ops (``brickyard.data.transforms``).
+DataLoader workers.
+
+Reading is fast by construction (``read``): the pipeline's geometry (``Pipeline.plan``) is worked out
+from the file's header before anything is decoded, so a JPEG is decoded at the smallest of its
+built-in reduced scales (1/2, 1/4, 1/8: Pillow's ``draft``) that still covers the output at full
+resolution, only the region that ends in the output is resampled, once, by Pillow's antialiased
+bilinear filter, straight to uint8; normalisation and augmentation that can run on the device
+(``data.augment``) run there. The result equals the step-by-step pipeline (full decode, then torch's
+crops and antialiased resizes) up to the resize filter (tested). ``data.cache: memory`` keeps the
+deterministic part of each image after the first epoch instead.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
+import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -14,7 +27,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from brickyard.data.bundle import DataBundle, Split
-from brickyard.data.transforms import NAMED_STATS, Pipeline
+from brickyard.data.idx import cache_dir
+from brickyard.data.transforms import NAMED_STATS, Pipeline, to_channels
 from brickyard.errors import ConfigError, DataError
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -60,13 +74,122 @@ def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], li
     return files, labels, classes
 
 
+def read(path: Path, pipeline: Pipeline) -> torch.Tensor:
+    """The pipeline's output for the file at ``path`` (uint8 C x H x W), decoding only what it needs."""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            plan = pipeline.plan(h, w)
+            if plan is None:
+                return pipeline(decode(path))
+            (left, top, right, bottom), (oh, ow), _ = plan
+            mode = "L" if im.mode in ("L", "1", "I;16", "I") else "RGB"
+            if im.format == "JPEG":  # decode at the smallest built-in scale that still covers the output
+                im.draft(mode, (max(1, math.ceil(w * ow / (right - left))), max(1, math.ceil(h * oh / (bottom - top)))))
+            scale = (im.size[0] / w, im.size[1] / h)
+            return _resample(im.convert(mode), plan, scale, pipeline.channels)
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise DataError(f"{path} is unreadable or truncated ({e}); fix or delete it, or set data.skip_bad_images: true.") from None
+
+
+def _resample(im: Image.Image, plan, scale: tuple[float, float], channels: int) -> torch.Tensor:
+    """The planned region of ``im`` (whose pixels are ``scale`` times the original's), resized once."""
+    (left, top, right, bottom), (oh, ow), flip = plan
+    sx, sy = scale
+    out = im.resize((ow, oh), Image.BILINEAR, box=(left * sx, top * sy, right * sx, bottom * sy))
+    t = torch.from_numpy(np.asarray(out, dtype=np.uint8).copy())
+    t = t[None] if t.dim() == 2 else t.permute(2, 0, 1).contiguous()
+    if flip:
+        t = t.flip(-1)
+    return to_channels(t, channels)
+
+
+class DiskCache:
+    """Every image of a split decoded once into one uint8 file (``<split>-<fingerprint>.u8``, pixels
+    H x W x C one image after another) with an index (``.idx.npy``: offset, channels, height, width per
+    image, then the fingerprint), memory-mapped by every later reader. The fingerprint covers the files'
+    paths, sizes and modification times, so a changed folder gets a new cache; a cache whose index names
+    other images, or whose pixel file is cut short, is one sentence. Written to a temporary name and
+    renamed: processes that build it at once each write their own and the last rename wins."""
+
+    def __init__(self, files: list[Path], root: Path, split: str):
+        self.files = files
+        stamp = hashlib.sha1()
+        for f in files:
+            st = f.stat()
+            stamp.update(f"{f.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        self.fingerprint = stamp.hexdigest()[:16]
+        folder = root / ".brickyard-cache"
+        if not os.access(root, os.W_OK):
+            folder = cache_dir("imagefolder") / hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:12]
+        self.pixels = folder / f"{split}-{self.fingerprint}.u8"
+        self.index_path = folder / f"{split}-{self.fingerprint}.idx.npy"
+        if not (self.pixels.is_file() and self.index_path.is_file()):
+            self._build()
+        self._open()
+
+    def _build(self) -> None:
+        self.pixels.parent.mkdir(parents=True, exist_ok=True)
+        index = np.zeros((len(self.files) + 1, 4), dtype=np.int64)
+        fd, tmp = tempfile.mkstemp(dir=self.pixels.parent, prefix=f".{self.pixels.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                offset = 0
+                for i, f in enumerate(self.files):
+                    img = decode(f).permute(1, 2, 0).contiguous().numpy()  # H x W x C
+                    index[i] = (offset, img.shape[2], img.shape[0], img.shape[1])
+                    out.write(img.tobytes())
+                    offset += img.size
+            index[-1] = (offset, len(self.files), int(self.fingerprint, 16) & (2**62 - 1), 0)
+            os.replace(tmp, self.pixels)
+            _save_npy(index, self.index_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _open(self) -> None:
+        try:
+            index = np.load(self.index_path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"image cache index {self.index_path} cannot be read ({e}); delete it to rebuild the cache.") from None
+        total, n, stamp = (int(v) for v in index[-1][:3])
+        if n != len(self.files) or stamp != int(self.fingerprint, 16) & (2**62 - 1):
+            raise DataError(f"image cache {self.index_path} holds another data set's images ({n} images, not this "
+                            f"folder's {len(self.files)}); delete {self.pixels.parent} to rebuild it.")
+        if self.pixels.stat().st_size != total:
+            raise DataError(f"image cache {self.pixels} is {self.pixels.stat().st_size:,} bytes, not the {total:,} its "
+                            f"index lists: it was cut short; delete it to rebuild the cache.")
+        self.index = index[:-1]
+        self.mm = np.memmap(self.pixels, dtype=np.uint8, mode="r")
+
+    def read(self, i: int, pipeline: Pipeline) -> torch.Tensor:
+        offset, c, h, w = (int(v) for v in self.index[i])
+        arr = self.mm[offset:offset + c * h * w].reshape(h, w, c)
+        plan = pipeline.plan(h, w)
+        if plan is None:
+            return pipeline(torch.from_numpy(np.array(arr)).permute(2, 0, 1).contiguous())
+        im = Image.fromarray(arr[:, :, 0] if c == 1 else arr, "L" if c == 1 else "RGB")
+        return _resample(im, plan, (1.0, 1.0), pipeline.channels)
+
+
+def _save_npy(array: np.ndarray, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Decoded with Pillow on read. With ``cache=True`` the deterministic part of the pipeline's
     output is kept in a shared-memory tensor that the DataLoader workers fill during the first
     epoch; later epochs read it from there and only apply the random transforms."""
 
-    def __init__(self, files, labels, pipeline: Pipeline, cache: bool = False):
-        self.files, self.labels, self.pipeline = files, labels, pipeline
+    def __init__(self, files, labels, pipeline: Pipeline, cache: bool = False, disk: DiskCache | None = None):
+        self.files, self.labels, self.pipeline, self.disk = files, labels, pipeline, disk
         self.cache = self.filled = None
         if cache:
             if pipeline.fixed_size is None:
@@ -80,7 +203,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, i):
-        if self.cache is not None and self.filled[i]:
+        if self.disk is not None:
+            return self.disk.read(i, self.pipeline), self.labels[i]
+        if self.cache is None:
+            return read(self.files[i], self.pipeline), self.labels[i]
+        if self.filled[i]:
             img = self.cache[i]
         else:
             img = self.pipeline.first(decode(self.files[i]))
@@ -153,7 +280,8 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     mean, std = NAMED_STATS[cfg.normalize]
     if channels == 1:
         mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory")
+    disk = DiskCache(files, root, "train") if cfg.cache == "disk" else None
+    train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory", disk=disk)
     return DataBundle("imagefolder", Split(dataset=train), val, test,
                       len(classes), channels, size, tuple(mean), tuple(std), classes)
 

@@ -59,9 +59,9 @@ def _center_crop(img: torch.Tensor, size) -> torch.Tensor:
     return img[:, top:top + th, left:left + tw]
 
 
-def _random_resized_crop(img: torch.Tensor, size) -> torch.Tensor:
-    size = (size, size) if isinstance(size, int) else size
-    h, w = img.shape[-2:]
+def _crop_box(h: int, w: int) -> tuple[int, int, int, int] | None:
+    """The random-resized-crop region (top, left, height, width) of an h x w image: area 8-100%, aspect
+    3/4-4/3, ten tries (torchvision's rule); None: fall back to the centre square. Draws from torch's RNG."""
     area = h * w
     for _ in range(10):
         target = area * float(torch.empty(1).uniform_(0.08, 1.0))
@@ -70,8 +70,18 @@ def _random_resized_crop(img: torch.Tensor, size) -> torch.Tensor:
         if 0 < cw <= w and 0 < ch <= h:
             top = int(torch.randint(0, h - ch + 1, (1,)))
             left = int(torch.randint(0, w - cw + 1, (1,)))
-            return _resize(img[:, top:top + ch, left:left + cw], size)
-    return _resize(_center_crop(img, min(h, w)), size)
+            return top, left, ch, cw
+    return None
+
+
+def _random_resized_crop(img: torch.Tensor, size) -> torch.Tensor:
+    size = (size, size) if isinstance(size, int) else size
+    h, w = img.shape[-2:]
+    box = _crop_box(h, w)
+    if box is None:
+        return _resize(_center_crop(img, min(h, w)), size)
+    top, left, ch, cw = box
+    return _resize(img[:, top:top + ch, left:left + cw], size)
 
 
 def _hflip(img: torch.Tensor) -> torch.Tensor:
@@ -92,9 +102,14 @@ RANDOM = {"random_resized_crop", "hflip"}
 
 class Pipeline:
     """The transforms of one split. ``prefix`` (up to the first random transform, plus the channel
-    conversion) is deterministic and can be cached; ``suffix`` is applied on every read."""
+    conversion) is deterministic and can be cached; ``suffix`` is applied on every read.
+
+    ``plan(h, w)`` is the same pipeline as geometry: the region of the original image that ends up in
+    the output, the output size and the flip, with the same random draws in the same order. A decoder
+    that knows it can read just that region at reduced scale and resize once (``imagefolder.read``)."""
 
     def __init__(self, specs, channels: int):
+        self.specs = [str(s).partition(":") for s in specs]
         self.prefix, self.suffix = [], []
         self.channels = channels
         self.fixed_size = None  # (H, W) after the prefix, when it ends in a fixed size
@@ -118,6 +133,40 @@ class Pipeline:
             if target is self.prefix and name in ("resize", "center_crop"):
                 fixed = name == "center_crop" or isinstance(size, tuple)
                 self.fixed_size = ((size, size) if isinstance(size, int) else size) if fixed else None
+
+    def plan(self, h: int, w: int):
+        """``(box, (out_h, out_w), flip)``: ``box`` = (left, top, right, bottom) in the h x w original's
+        pixel coordinates; None when the pipeline has a step this cannot follow (a centre crop larger
+        than the image)."""
+        left, top, bw, bh = 0.0, 0.0, float(w), float(h)  # the region of the original the virtual image shows
+        vh, vw, flip = h, w, False                         # the virtual image's size
+        for name, _, arg in self.specs:
+            if name == "resize":
+                size = _size(arg, name)
+                if isinstance(size, int):
+                    scale = size / min(vh, vw)
+                    vh, vw = max(1, round(vh * scale)), max(1, round(vw * scale))
+                else:
+                    vh, vw = size
+            elif name in ("center_crop", "random_resized_crop"):
+                size = _size(arg, name)
+                th, tw = (size, size) if isinstance(size, int) else size
+                if name == "center_crop":
+                    if th > vh or tw > vw:
+                        return None
+                    ct, cl, ch, cw = (vh - th) // 2, (vw - tw) // 2, th, tw
+                else:
+                    box = _crop_box(vh, vw)
+                    if box is None:
+                        side = min(vh, vw)
+                        box = ((vh - side) // 2, (vw - side) // 2, side, side)
+                    ct, cl, ch, cw = box
+                sy, sx = bh / vh, bw / vw
+                left, top, bw, bh = left + cl * sx, top + ct * sy, cw * sx, ch * sy
+                vh, vw = th, tw
+            elif name == "hflip":
+                flip = float(torch.rand(1)) < 0.5
+        return (left, top, left + bw, top + bh), (vh, vw), flip
 
     def first(self, img: torch.Tensor) -> torch.Tensor:
         for fn, arg in self.prefix:

@@ -1,0 +1,106 @@
+"""Photo-sized image folders: the generator, the fast read path against the step-by-step pipeline, the
+disk cache, and the bad inputs around them.
+
+Tolerance for "equal up to the resize filter": the fast path decodes JPEGs at a reduced DCT scale where
+it can and resamples once with Pillow's antialiased bilinear filter; the step-by-step path decodes in
+full and resizes with torch's. Per image: mean absolute difference <= 4 grey levels of 255 and fewer
+than 1% of values differ by more than 32 (measured here: <= 3.5 and <= 0.6%).
+"""
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from brickyard.config import load_config
+from brickyard.data import build_data
+from brickyard.data.imagefolder import DiskCache, decode, read
+from brickyard.data.photos import make_photo_folder
+from brickyard.data.transforms import Pipeline
+from brickyard.errors import DataError
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("photos")
+    make_photo_folder(root, classes=3, per_class={"train": 6, "val": 2, "test": 2}, seed=5, min_size=300, max_size=520)
+    return root
+
+
+def test_the_generator_is_deterministic_and_photo_like(photos, tmp_path):
+    again = tmp_path / "again"
+    make_photo_folder(again, classes=3, per_class={"train": 6, "val": 2, "test": 2}, seed=5, min_size=300, max_size=520)
+    files = sorted(p.relative_to(photos) for p in photos.rglob("*.jpg"))
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*.jpg")) and len(files) == 30
+    assert all((photos / f).read_bytes() == (again / f).read_bytes() for f in files)  # byte for byte
+    sizes = {decode(photos / f).shape for f in files}
+    assert len(sizes) > 5 and all(c == 3 and 300 <= min(h, w) and max(h, w) <= 520 for c, h, w in sizes)
+    other = tmp_path / "other"
+    make_photo_folder(other, classes=3, per_class={"train": 1}, seed=6)
+    first = "train/00-disc/00000.jpg"
+    assert (other / first).read_bytes() != (photos / first).read_bytes()  # another seed, other images
+    r = run_cli("data", "make-photos", str(tmp_path / "cli"), "--classes", "12", "--per-class", "1", "1", "1", "--max-size", "96")
+    assert r.returncode == 0 and "wrote 12 train, 12 val, 12 test JPEG images of 12 classes" in r.stdout, r.stderr
+    assert sorted(p.name for p in (tmp_path / "cli" / "train").iterdir())[-1] == "11-square-holed"
+    bad = run_cli("data", "make-photos", str(tmp_path / "bad"), "--classes", "1")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: data make-photos: --classes must be at least 2")
+
+
+@pytest.mark.parametrize("specs", [["random_resized_crop:224", "hflip"], ["resize:256", "center_crop:224"], ["resize:64x64"]])
+def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(photos, specs):
+    pipe = Pipeline(specs, 3)
+    for f in sorted((photos / "train").rglob("*.jpg")):
+        torch.manual_seed(0)
+        fast = read(f, pipe)
+        torch.manual_seed(0)
+        slow = pipe(decode(f))  # full decode, torch crops and antialiased resizes: the same random draws
+        assert fast.shape == slow.shape and fast.dtype == torch.uint8
+        d = (fast.float() - slow.float()).abs()
+        assert d.mean() <= 4 and (d > 32).float().mean() < 0.01, (f, d.mean().item(), (d > 32).float().mean().item())
+
+
+def test_the_disk_cache_is_written_once_read_as_the_files_and_refuses_what_it_does_not_hold(photos, tmp_path):
+    cfg = load_config("mnist", ["data.name=imagefolder", f"data.root={photos}", "data.cache=disk",
+                                "data.train_transforms=[resize:128x128]"])
+    data = build_data(cfg.data)
+    made = sorted((photos / ".brickyard-cache").iterdir())
+    assert [p.suffix for p in made] == [".npy", ".u8"]
+    stamp = made[1].stat().st_mtime_ns
+    cached = torch.stack([data.train.dataset[i][0] for i in range(len(data.train))])
+    plain = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={photos}",
+                                             "data.train_transforms=[resize:128x128]"]).data)
+    files = torch.stack([plain.train.dataset[i][0] for i in range(len(plain.train))])
+    assert (cached.float() - files.float()).abs().mean() <= 4  # JPEG draft scale only: the same resize
+    build_data(cfg.data)
+    assert made[1].stat().st_mtime_ns == stamp  # memory-mapped again, not written again
+    # a cache file from another folder put in this one's place
+    other = tmp_path / "other"
+    make_photo_folder(other, classes=3, per_class={"train": 2}, seed=1, max_size=128)
+    DiskCache(sorted((other / "train").rglob("*.jpg")), other, "train")
+    theirs = next((other / ".brickyard-cache").glob("*.idx.npy"))
+    ours_index = made[0]
+    saved = ours_index.read_bytes()
+    try:
+        ours_index.write_bytes(theirs.read_bytes())
+        with pytest.raises(DataError, match="holds another data set's images"):
+            build_data(cfg.data)
+        ours_index.write_bytes(saved)
+        with open(made[1], "r+b") as f:  # cut short
+            f.truncate(1000)
+        with pytest.raises(DataError, match="was cut short; delete it to rebuild the cache"):
+            build_data(cfg.data)
+    finally:
+        for p in made:
+            p.unlink()
+
+
+def test_an_unreadable_jpeg_is_one_sentence_on_the_fast_path(photos, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    data = (next((photos / "train").rglob("*.jpg"))).read_bytes()
+    bad.write_bytes(data[:200])
+    with pytest.raises(DataError, match="bad.jpg is unreadable or truncated"):
+        read(bad, Pipeline(["random_resized_crop:224"], 3))
