@@ -104,3 +104,26 @@ def test_an_unreadable_jpeg_is_one_sentence_on_the_fast_path(photos, tmp_path):
     bad.write_bytes(data[:200])
     with pytest.raises(DataError, match="bad.jpg is unreadable or truncated"):
         read(bad, Pipeline(["random_resized_crop:224"], 3))
+
+
+def test_loader_workers_are_planned_against_the_cores(photos, tmp_path):
+    """auto: a streaming CPU run gives half of each process's cores to the loader and the rest to its
+    threads; with two processes on this machine each gets its share; a number asked for is kept."""
+    from brickyard.data.loaders import plan_workers
+    assert plan_workers("auto", False, True, 8) == 0 and plan_workers("auto", True, True, 8) == 4
+    assert plan_workers("auto", True, False, 16) == 8 and plan_workers(3, True, True, 1) == 3
+    cores = len(os.sched_getaffinity(0))
+    base = ["train", "--set", "data.name=imagefolder", "--set", f"data.root={photos}", "--set", "model.name=convnet",
+            "--set", "data.train_transforms=[random_resized_crop:32, hflip]", "--set", "data.eval_transforms=[resize:32x32]",
+            "--set", "train.max_steps=2", "--set", "train.progress=none", "--set", "train.plots=false",
+            "--set", "data.global_batch_size=4", "--set", "train.precision=fp32"]
+    one = run_cli(*base, "--run-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    workers = cores // 2
+    assert f"{max(1, cores - workers)} threads, {workers} loader workers" in one.stdout, one.stdout
+    two = run_cli(*base, "--devices", "cpu:2", "--run-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr
+    per = max(1, cores // 2)
+    assert f"{max(1, per - per // 2)} threads, {per // 2} loader workers" in two.stdout, two.stdout
+    asked = run_cli(*base, "--set", "data.num_workers=2", "--set", "train.threads=1", "--run-dir", str(tmp_path / "asked"))
+    assert asked.returncode == 0 and "1 threads, 2 loader workers" in asked.stdout, asked.stdout

@@ -86,7 +86,7 @@ def _cifar(args, cifar, idx) -> int:
 
 
 def _photos(args) -> int:
-    from brickyard.data.photos import make_photo_folder
+    from brickyard.data.photos import make_photo_folder  # lazy: Pillow and numpy load for this command only (cli/main.py: start-up time)
     if args.classes < 2 or min(args.per_class) < 1 or not 16 <= args.min_size <= args.max_size:
         raise BrickyardError("data make-photos: --classes must be at least 2, every --per-class count at least 1, "
                              "and 16 <= --min-size <= --max-size.")

@@ -49,7 +49,7 @@ class DataConfig:
     eval_batch_size: int = _opt(250, min=1)
     train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
-    num_workers: int = _opt(2, min=0, doc="streaming loader worker processes")
+    num_workers: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")
     prefetch: int = _opt(2, min=1, doc="streaming loader batches prefetched per worker")
     pin_memory: bool = _opt(True)
     augment: str = _opt("none", choices=("none", "shift", "crop-flip"))

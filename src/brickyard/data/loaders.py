@@ -15,6 +15,8 @@ the batches it would have seen.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from brickyard.data.bundle import Split
@@ -158,6 +160,18 @@ def device_batches(cfg, accum: int, world: int) -> list[int]:
     return [g // world + (1 if r < g % world else 0) for r in range(world)]
 
 
+def plan_workers(value, streams: bool, cpu: bool, cores: int) -> int:
+    """``data.num_workers`` for a process with ``cores`` CPUs of its own: a number is kept (asked for);
+    ``auto`` gives in-memory data none, a CPU run half of the process's cores (its training threads take
+    the rest, so processes x (threads + workers) stays within the machine's cores), a GPU run the cores
+    less the one the training process drives the GPU with, at most 8."""
+    if value != "auto":
+        return int(value)
+    if not streams:
+        return 0
+    return cores // 2 if cpu else max(0, min(8, cores - 1))
+
+
 def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int, accum: int = 1):
     """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
     g = step_batch(cfg, accum, world)
@@ -169,7 +183,8 @@ def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank:
         raise ConfigError("data.loader: 'memory' needs a data set held as tensors; this one streams from files, use stream.")
     if kind == "memory":
         return InMemoryLoader(split, plan, device)
-    return StreamLoader(split, plan, device, cfg.num_workers, cfg.prefetch, cfg.pin_memory)
+    workers = plan_workers(cfg.num_workers, True, device.type == "cpu", max(1, (os.cpu_count() or 1) // max(1, world)))
+    return StreamLoader(split, plan, device, workers, cfg.prefetch, cfg.pin_memory)
 
 
 def eval_batches(split: Split, batch_size: int, device: torch.device, world: int = 1, rank: int = 0, num_workers: int = 0):
@@ -180,6 +195,7 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
             yield split.images[chunk].to(device), split.labels[chunk].to(device)
         return
     subset = torch.utils.data.Subset(split.dataset, mine.tolist())
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=num_workers)
+    workers = plan_workers(num_workers, True, device.type == "cpu", max(1, (os.cpu_count() or 1) // max(1, world)))
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers)
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)

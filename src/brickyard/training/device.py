@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from brickyard.data.loaders import plan_workers
 from brickyard.errors import DeviceError
 
 
@@ -136,19 +137,27 @@ class Host:
     channels_last: bool
     pinned: tuple[int, ...] | None = None  # the CPUs this process is kept on
     own_cores: bool = True  # no other process of this machine's job shares this one's CPUs
+    workers: int = 0        # the training loader's worker processes (``data.num_workers``, planned)
 
 
-def setup(t, local_rank: int = 0, local_world_size: int = 1) -> Host:
+def setup(t, local_rank: int = 0, local_world_size: int = 1, workers=0, streams: bool = False) -> Host:
     """Resolve ``train.device``/``precision``/``channels_last`` and set this process's CPU threads and
-    allocator; ``t`` is the config's ``train`` section."""
+    allocator; ``t`` is the config's ``train`` section, ``workers`` its ``data.num_workers`` and
+    ``streams`` whether the training data is read by a streaming loader. The loader's workers are
+    planned with the threads (``data.loaders.plan_workers``): on a CPU, workers the user did not ask
+    for take cores from the threads, so the process never has more busy threads than cores."""
     device = resolve_device(t.device, local_rank)
     cpu = device.type == "cpu"
-    threads = set_threads(t.threads, local_world_size) if cpu else torch.get_num_threads()
+    cores = max(1, len(usable_cpus()) // max(1, local_world_size))
+    n_workers = plan_workers(workers, streams, cpu, cores)
+    planned = workers == "auto" and cpu and not t.threads
+    threads = set_threads(max(1, cores - n_workers) if planned else t.threads, local_world_size) if cpu else torch.get_num_threads()
     pinned = pin_cpus(local_rank, local_world_size, threads) if cpu and t.pin_cpus else None
     allocator = "glibc heap kept" if cpu and t.tune_allocator and tune_allocator() else "default"
     precision = resolve_precision(t.precision, device)
     own = not cpu or pinned is not None or threads * local_world_size <= len(usable_cpus())
-    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device), pinned, own)
+    return Host(device, threads, allocator, precision, resolve_channels_last(t.channels_last, precision, device), pinned, own,
+                n_workers)
 
 
 def describe(device: torch.device) -> str:

@@ -146,7 +146,10 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     if cfg.dist.strategy == "fsdp":
         find_blocks(model, cfg.dist.fsdp.blocks, "dist.fsdp.blocks")  # likewise
     with _torch_flags():
-        host = dev.setup(cfg.train, req.info.local_rank, req.info.local_world_size)
+        host = dev.setup(cfg.train, req.info.local_rank, req.info.local_world_size, cfg.data.num_workers,
+                         streams=not data.in_memory)
+        if cfg.data.num_workers == "auto":  # planned with the threads
+            cfg = req.config = cfg.replace(**{"data.num_workers": host.workers})
         if host.device.type == "cuda":
             torch.cuda.set_device(host.device)
         try:

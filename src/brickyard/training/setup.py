@@ -218,7 +218,8 @@ def announce(run: Run, host: dev.Host, info) -> None:
     n_params = sum(p.numel() for p in run.model.parameters())
     pinned = f" on CPU {','.join(map(str, host.pinned))}" if host.pinned else ""
     log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run._engine.channels_last}, "
-             f"{host.threads} threads{pinned}, allocator {host.allocator}, world size {info.world_size}"
+             f"{host.threads} threads{pinned}" + (f", {host.workers} loader workers" if not data.in_memory else "")
+             + f", allocator {host.allocator}, world size {info.world_size}"
              + (f", gradient sync {run._engine.grad_sync.name}" if info.world_size > 1 else "") + f", pid {os.getpid()}")
     log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
