@@ -108,20 +108,20 @@ def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
     from brickyard.models.finetune import prepare
     from brickyard.observe.logs import Logger
     cfg = load_config("mnist", [f"finetune.init_from={path}", "finetune.reset_head=true", "finetune.freeze=[conv1.*, layer1.*]"]).finetune
-    model = prepare(create("resnet18_imagenet", 7, 3, (224, 224)), cfg, 7, Logger())
+    model = prepare(create("resnet18_imagenet", 7, 3, (224, 224)), cfg, 7, Logger(console=False))
     assert model.fc.out_features == 7 and torch.equal(model.conv1.weight, tv["conv1.weight"])
     assert not model.layer1[0].conv1.weight.requires_grad and model.layer2[0].conv1.weight.requires_grad
     model.train()
     model(torch.randn(2, 3, 64, 64))
     assert not model.layer1[0].bn1.training and model.layer2[0].bn1.training  # frozen batch norm stays in eval mode
     with pytest.raises(CheckpointError, match=r"fc.weight has shape \(1000, 512\) in .* the model expects \(7, 512\) \(set finetune.reset_head"):
-        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", [f"finetune.init_from={path}"]).finetune, 7, Logger())
+        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", [f"finetune.init_from={path}"]).finetune, 7, Logger(console=False))
     with pytest.raises(ConfigError, match="pattern 'stem.\\*' matches no parameter"):
-        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", ["finetune.freeze=[stem.*]"]).finetune, 7, Logger())
+        prepare(create("resnet18_imagenet", 7, 3, (224, 224)), load_config("mnist", ["finetune.freeze=[stem.*]"]).finetune, 7, Logger(console=False))
     from safetensors.torch import save_file
     save_file(tv, str(tmp_path / "w.safetensors"))
     m = prepare(create("resnet18_imagenet", 1000, 3, (224, 224)),
-                load_config("mnist", [f"finetune.init_from={tmp_path / 'w.safetensors'}"]).finetune, 1000, Logger())
+                load_config("mnist", [f"finetune.init_from={tmp_path / 'w.safetensors'}"]).finetune, 1000, Logger(console=False))
     assert torch.equal(m.fc.weight, tv["fc.weight"])
 
 
