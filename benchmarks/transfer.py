@@ -2,7 +2,8 @@
 backbone frozen and a new head trained (head learning rate x10) on other classes with few images,
 against the same network trained from scratch on those few images.
 
-The data is `brickyard data make-photos` (10 classes, JPEGs of 64-160 px, trained at 64x64): the
+The network is `resnet18_imagenet` (the ImageNet layout: a stride-2 stem and max-pool, so 64 px images
+are cheap). The data is `brickyard data make-photos` (10 classes, JPEGs of 64-160 px, trained at 64x64): the
 source task is classes 0-4 (`--source-per-class` images each), the target task classes 5-9 with
 `--target-per-class` training images each and 40 test images each. Every run is a whole `brickyard
 train` command; the target runs use seeds 0..N-1; printed: test accuracy mean and std, and the time each
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from brickyard.data.photos import make_photo_folder
 
-COMMON = ["model.name=resnet18", "data.name=imagefolder", "data.train_transforms=[random_resized_crop:64, hflip]",
+COMMON = ["model.name=resnet18_imagenet", "data.name=imagefolder", "data.train_transforms=[random_resized_crop:64, hflip]",
           "data.eval_transforms=[resize:72, center_crop:64]", "data.num_workers=1", "train.progress=none",
           "train.plots=false", "optim.name=nesterov", "optim.lr=0.05", "optim.weight_decay=0.0005",
           "optim.label_smoothing=0", "schedule.name=onecycle", "data.global_batch_size=32", "train.precision=fp32"]

@@ -62,3 +62,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """A loopback HTTP server of the folder ``tmp_path/www`` (downloads tested for real, offline);
+    yields (folder, base URL ending in /)."""
+    import functools
+    import http.server
+    import threading
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield www, f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()

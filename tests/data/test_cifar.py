@@ -4,12 +4,9 @@ in the official binary layout, the checksum, the parser, the cache, and training
 Pinned: fp32, one thread, a few steps. The archives are built here (a few records per file), so their
 MD5 is not the published one: the tests that download put theirs in the spec, as a mirror's would be.
 """
-import functools
 import hashlib
-import http.server
 import io
 import tarfile
-import threading
 
 import numpy as np
 import pytest
@@ -52,17 +49,6 @@ def make_archive(name: str, per_file: int = 12):
     return buf.getvalue(), cat(train, 0), cat(train, 1), cat(test, 0), cat(test, 1)
 
 
-@pytest.fixture
-def server(tmp_path):
-    """A loopback HTTP server of the folder ``tmp_path/www``; yields (folder, base URL)."""
-    www = tmp_path / "www"
-    www.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
-    handler.log_message = lambda *a: None
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield www, f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
 
 
 def _serve(monkeypatch, www, url, name, archive: bytes, md5: str | None = None):
@@ -73,8 +59,8 @@ def _serve(monkeypatch, www, url, name, archive: bytes, md5: str | None = None):
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
-def test_download_checksum_parse_and_cache(name, server, cache_dir, monkeypatch):
-    www, url = server
+def test_download_checksum_parse_and_cache(name, http_folder, cache_dir, monkeypatch):
+    www, url = http_folder
     archive, xtr, ytr, xte, yte = make_archive(name)
     _serve(monkeypatch, www, url, name, archive)
     got = cifar.load(name, None, allow_download=True)
@@ -87,8 +73,8 @@ def test_download_checksum_parse_and_cache(name, server, cache_dir, monkeypatch)
     assert np.array_equal(again["train"][0], xtr) and list(again["classes"]) == list(got["classes"])
 
 
-def test_the_bundle_splits_off_validation_and_trains(server, cache_dir, monkeypatch, tmp_path):
-    www, url = server
+def test_the_bundle_splits_off_validation_and_trains(http_folder, cache_dir, monkeypatch, tmp_path):
+    www, url = http_folder
     archive, xtr, ytr, _, _ = make_archive("cifar10", per_file=40)
     _serve(monkeypatch, www, url, "cifar10", archive)
     cfg = load_config("cifar10-resnet18", SYNTH[:1] + ["data.global_batch_size=20", "train.max_steps=3",
@@ -110,8 +96,8 @@ def test_the_bundle_splits_off_validation_and_trains(server, cache_dir, monkeypa
     assert info.returncode == 0 and "cifar10: 200 train + 40 test images of 10 classes (airplane, automobile" in info.stdout, info.stdout
 
 
-def test_a_corrupt_download_is_one_sentence_and_nothing_is_kept(server, cache_dir, monkeypatch):
-    www, url = server
+def test_a_corrupt_download_is_one_sentence_and_nothing_is_kept(http_folder, cache_dir, monkeypatch):
+    www, url = http_folder
     archive = make_archive("cifar10")[0]
     _serve(monkeypatch, www, url, "cifar10", archive[: len(archive) // 2], md5=hashlib.md5(archive).hexdigest())
     with pytest.raises(DataError, match=r"is not the published cifar-10-binary.tar.gz \(MD5 [0-9a-f]{32}, expected"):

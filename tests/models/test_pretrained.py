@@ -4,10 +4,7 @@ hash check, against a loopback HTTP server; brickyard's cache; one sentence for 
 The served file is a state dict made here (the model's own initial weights, changed), named as torchvision
 names its files: the start of its SHA-256 after the last '-'. Pinned: fp32, one thread, 2 steps.
 """
-import functools
 import hashlib
-import http.server
-import threading
 
 import pytest
 import torch
@@ -19,16 +16,6 @@ from brickyard.models import pretrained
 from conftest import SYNTH, run_cli, sets
 
 
-@pytest.fixture
-def server(tmp_path):
-    www = tmp_path / "www"
-    www.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
-    handler.log_message = lambda *a: None
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield www, f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
 
 
 def _publish(www, monkeypatch, url, state: dict, corrupt: bool = False) -> str:
@@ -44,8 +31,8 @@ def _publish(www, monkeypatch, url, state: dict, corrupt: bool = False) -> str:
     return name
 
 
-def test_weights_by_name_are_fetched_checked_cached_and_trained_from(server, cache_dir, monkeypatch, tmp_path):
-    www, url = server
+def test_weights_by_name_are_fetched_checked_cached_and_trained_from(http_folder, cache_dir, monkeypatch, tmp_path):
+    www, url = http_folder
     torch.manual_seed(1)
     state = {k: v + 0.5 if v.is_floating_point() else v for k, v in models.create("resnet18_imagenet", 1000, 3, (32, 32)).state_dict().items()}
     name = _publish(www, monkeypatch, url, state)
@@ -70,8 +57,8 @@ def test_weights_by_name_are_fetched_checked_cached_and_trained_from(server, cac
     assert f"place it as {cache_dir / 'weights' / 'resnet18-f37072fd.pth'}" in r.stderr and not (tmp_path / "cli").exists()
 
 
-def test_a_file_that_fails_the_hash_check_is_one_sentence_and_not_kept(server, cache_dir, monkeypatch):
-    www, url = server
+def test_a_file_that_fails_the_hash_check_is_one_sentence_and_not_kept(http_folder, cache_dir, monkeypatch):
+    www, url = http_folder
     name = _publish(www, monkeypatch, url, {"w": torch.ones(1000)}, corrupt=True)
     with pytest.raises(CheckpointError, match=r"is not torchvision:resnet18's published weights \(invalid hash value"):
         pretrained.fetch("torchvision:resnet18")
