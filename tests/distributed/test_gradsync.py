@@ -52,6 +52,10 @@ for how in ("flat", "ddp", "auto-own-step", "ddp-own-step"):
     own = own_step if how.endswith("own-step") else None
     brickyard.fit(m, (x, y), config=cfg, callbacks=[seen], train_step=own, run_dir=f"{out}.{how}.run")
     torch.save({"state": m.state_dict(), "sync": seen.sync}, f"{out}.{how}.{rank}.pt")
+# the group this script made is its own to end: every rank leaves together (a rank still tearing down gloo
+# while another has exited can abort with "terminate called without an active exception")
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 '''
 
 
