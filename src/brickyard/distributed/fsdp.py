@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from brickyard.distributed.gradsync import GradSync
@@ -126,7 +126,7 @@ def local_bytes(tensors) -> int:
 def held_bytes(model: nn.Module, optimizer) -> dict:
     """What this rank holds, measured from its tensors: parameters and optimiser state (gradients,
     between the backward pass and the update, take the parameters' layout)."""
-    if hasattr(model, "reshard"):  # FSDP's root keeps its gathered parameters after an evaluation's forward
+    if isinstance(model, FSDPModule):  # FSDP's root keeps its gathered parameters after an evaluation's forward
         model.reshard()
     return {"parameters": local_bytes(model.parameters()),
             "optimizer_state": local_bytes(v for s in optimizer.state.values() for v in s.values())}
