@@ -78,7 +78,7 @@ def download(name: str, folder: Path) -> None:
     if got != spec.md5:
         raise DataError(f"{url} is not the published {spec.archive} (MD5 {got}, expected {spec.md5}); nothing was "
                         f"kept: download it again or place the file by hand.")
-    idx._atomic_write(folder / spec.archive, lambda f: f.write(data))
+    idx.atomic_write(folder / spec.archive, lambda f: f.write(data))
 
 
 def _members(folder: Path, spec: CifarSpec) -> dict[str, bytes]:
@@ -148,7 +148,7 @@ def load(name: str, root: str | None, allow_download: bool) -> dict:
                         f"{name}'s.")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        idx._atomic_write(cached, lambda f: np.savez(f, xtr=parts["train"][0], ytr=parts["train"][1],
+        idx.atomic_write(cached, lambda f: np.savez(f, xtr=parts["train"][0], ytr=parts["train"][1],
                                                       xte=parts["test"][0], yte=parts["test"][1], classes=np.array(classes)))
     except OSError:
         pass  # a read-only place: decoded again next time

@@ -101,7 +101,7 @@ def decode(raw: bytes, path: Path) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -132,7 +132,7 @@ def download(name: str, folder: Path) -> None:
             if got != spec.md5[stem]:
                 errors.append(f"{url}: checksum {got} != {spec.md5[stem]}")
                 continue
-            _atomic_write(folder / f"{stem}.gz", lambda f: f.write(data))
+            atomic_write(folder / f"{stem}.gz", lambda f: f.write(data))
             break
         else:
             places = " or ".join(str(d) for d in candidate_dirs(name, None))
@@ -205,7 +205,7 @@ def _load_one(name: str, folder: Path, stem: str) -> np.ndarray:
         raise DataError(f"{source} has MD5 {got} (decompressed), expected {expected}; the file is corrupt or truncated.")
     array = decode(raw, source)
     try:
-        _atomic_write(cached, lambda f: np.save(f, array))
+        atomic_write(cached, lambda f: np.save(f, array))
     except OSError:
         pass  # a read-only cache only costs start-up time
     return array

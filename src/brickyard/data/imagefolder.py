@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from brickyard.data.bundle import DataBundle, Split
-from brickyard.data.idx import cache_dir
+from brickyard.data.idx import atomic_write, cache_dir
 from brickyard.data.transforms import NAMED_STATS, Pipeline, to_channels
 from brickyard.errors import ConfigError, DataError
 
@@ -129,23 +128,19 @@ class DiskCache:
         self._open()
 
     def _build(self) -> None:
-        self.pixels.parent.mkdir(parents=True, exist_ok=True)
         index = np.zeros((len(self.files) + 1, 4), dtype=np.int64)
-        fd, tmp = tempfile.mkstemp(dir=self.pixels.parent, prefix=f".{self.pixels.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                offset = 0
-                for i, f in enumerate(self.files):
-                    img = decode(f).permute(1, 2, 0).contiguous().numpy()  # H x W x C
-                    index[i] = (offset, img.shape[2], img.shape[0], img.shape[1])
-                    out.write(img.tobytes())
-                    offset += img.size
+
+        def write(out):
+            offset = 0
+            for i, f in enumerate(self.files):
+                img = decode(f).permute(1, 2, 0).contiguous().numpy()  # H x W x C
+                index[i] = (offset, img.shape[2], img.shape[0], img.shape[1])
+                out.write(img.tobytes())
+                offset += img.size
             index[-1] = (offset, len(self.files), int(self.fingerprint, 16) & (2**62 - 1), 0)
-            os.replace(tmp, self.pixels)
-            _save_npy(index, self.index_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+
+        atomic_write(self.pixels, write)
+        atomic_write(self.index_path, lambda f: np.save(f, index))
 
     def _open(self) -> None:
         try:
@@ -171,16 +166,6 @@ class DiskCache:
         im = Image.fromarray(arr[:, :, 0] if c == 1 else arr, "L" if c == 1 else "RGB")
         return _resample(im, plan, (1.0, 1.0), pipeline.channels)
 
-
-def _save_npy(array: np.ndarray, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ImageFolderDataset(torch.utils.data.Dataset):

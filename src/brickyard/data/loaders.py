@@ -172,6 +172,13 @@ def plan_workers(value, streams: bool, cpu: bool, cores: int) -> int:
     return cores // 2 if cpu else max(0, min(8, cores - 1))
 
 
+def _own_cores(world: int) -> int:
+    """This process's share of the CPUs it may run on, when ``world`` processes share them (``auto``
+    workers outside ``train()``, which plans them with its threads in ``training.device.setup``)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // max(1, world))
+
+
 def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int, accum: int = 1):
     """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
     g = step_batch(cfg, accum, world)
@@ -183,7 +190,7 @@ def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank:
         raise ConfigError("data.loader: 'memory' needs a data set held as tensors; this one streams from files, use stream.")
     if kind == "memory":
         return InMemoryLoader(split, plan, device)
-    workers = plan_workers(cfg.num_workers, True, device.type == "cpu", max(1, (os.cpu_count() or 1) // max(1, world)))
+    workers = plan_workers(cfg.num_workers, True, device.type == "cpu", _own_cores(world))
     return StreamLoader(split, plan, device, workers, cfg.prefetch, cfg.pin_memory)
 
 
@@ -195,7 +202,7 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
             yield split.images[chunk].to(device), split.labels[chunk].to(device)
         return
     subset = torch.utils.data.Subset(split.dataset, mine.tolist())
-    workers = plan_workers(num_workers, True, device.type == "cpu", max(1, (os.cpu_count() or 1) // max(1, world)))
+    workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
     loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers)
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)

@@ -15,9 +15,10 @@ optimiser state stay fp32. ``dist.fsdp.offload`` keeps the shards in host memory
 on a CPU run they are there already.
 
 Checkpoints hold full (unsharded) tensors in the same layout as a DDP run's: ``full_state`` gathers them
-(a collective: every rank calls it) and ``load_model_state`` and ``load_optimizer_state`` shard them again, so a run saved under FSDP
-resumes under DDP or on another world size, and ``eval``, ``predict`` and ``export`` read it as any other.
-Both functions are no-ops on plain tensors, so the rest of brickyard calls them for every run.
+(a collective: every rank calls it) and ``load_model_state`` and ``load_optimizer_state`` shard them
+again, so a run saved under FSDP resumes under DDP or on another world size, and ``eval``, ``predict``
+and ``export`` read it as any other. All three leave plain tensors as they are, so the rest of
+brickyard calls them for every run.
 """
 from __future__ import annotations
 

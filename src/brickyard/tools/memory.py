@@ -107,7 +107,9 @@ def _units(model, cfg) -> tuple[int, int]:
     return total - sum(blocks), max(blocks, default=0)
 
 
-def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dict:
+def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compare: bool = True) -> dict:
+    """``compare``: also measure the activations with checkpointing where it is off (the report's
+    comparison; ``batch_size: auto`` needs only the configured run's)."""
     precision = dev.resolve_precision(cfg.train.precision, device)  # as training resolves it (auto: bf16 where native)
     channels_last = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
     params = list(model.parameters())
@@ -121,7 +123,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1) -> dic
     m = model.to(torch.device("cpu"), memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
     plain = _activations_per_batch(m, data, channels_last, precision)
     act_fixed, per_sample = plain
-    checkpointing, setting = None, cfg.train.activation_checkpointing or "auto"  # measured for the comparison too
+    checkpointing, setting = None, cfg.train.activation_checkpointing or ("auto" if compare else ())
     if activation_checkpointing.choose(m, setting):
         copy = copy_module.deepcopy(m)
         names = activation_checkpointing.apply(copy, setting)
@@ -270,12 +272,12 @@ def auto_batch(cfg, model, data, device: torch.device, world: int, train_size: i
     speed but fewer steps. Always capped so an epoch has at least ``MIN_STEPS`` steps per rank."""
     cap = max(1, min(4096, train_size // (max(world, 1) * MIN_STEPS)))
     if device.type != "cuda":
-        est = estimate(cfg, model, data, device, world)
+        est = estimate(cfg, model, data, device, world, compare=False)
         budget = _available_host_memory() // 2
         fits = largest_batch(est, budget, headroom=1.0)
         return max(1, min(cap, CPU_BATCH, fits)), (f"at most {CPU_BATCH} on a CPU and {MIN_STEPS} steps an epoch; "
                                                    f"{fits:,} would fit in half of {fmt(2 * budget)} available RAM")
-    est = estimate(cfg, model, data, torch.device("cpu"), world)
+    est = estimate(cfg, model, data, torch.device("cpu"), world, compare=False)
     precision = dev.resolve_precision(cfg.train.precision, device)
     model = model.to(device)
     reserve = torch.empty(int(est["optimizer_state"]) // 4 + 1, device=device)  # optimiser state comes later

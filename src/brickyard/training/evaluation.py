@@ -37,9 +37,10 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
                 wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
                 errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
                 kept += len(wrong)
-        if lockstep and done < math.ceil(math.ceil(len(split) / world) / batch_size):  # the largest share is rank 0's
+        most = math.ceil(math.ceil(len(split) / world) / batch_size)  # the largest share is rank 0's
+        if lockstep and done < most:
             spare = x if x is not None else next(eval_batches(split, 1, device))[0]
-            for _ in range(done, math.ceil(math.ceil(len(split) / world) / batch_size)):
+            for _ in range(done, most):
                 model(prep(spare))
     model.train(was_training)
     result = acc.result(group)
