@@ -50,8 +50,12 @@ def test_the_generator_is_deterministic_and_photo_like(photos, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: data make-photos: --classes must be at least 2")
 
 
-@pytest.mark.parametrize("specs", [["random_resized_crop:224", "hflip"], ["resize:256", "center_crop:224"], ["resize:64x64"]])
-def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(photos, specs):
+@pytest.mark.parametrize("specs, tolerance", [
+    (["random_resized_crop:224", "hflip"], 0.5),  # one crop, one resize: the same filter, rounding apart
+    (["resize:256", "center_crop:224"], 4),  # two resizes against one, and the JPEG draft scale
+    (["resize:64x64"], 4),
+])
+def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(photos, specs, tolerance):
     pipe = Pipeline(specs, 3)
     for f in sorted((photos / "train").rglob("*.jpg")):
         torch.manual_seed(0)
@@ -60,7 +64,7 @@ def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(
         slow = pipe(decode(f))  # full decode, torch crops and antialiased resizes: the same random draws
         assert fast.shape == slow.shape and fast.dtype == torch.uint8
         d = (fast.float() - slow.float()).abs()
-        assert d.mean() <= 4 and (d > 32).float().mean() < 0.01, (f, d.mean().item(), (d > 32).float().mean().item())
+        assert d.mean() <= tolerance and (d > 32).float().mean() < 0.01, (f, d.mean().item(), (d > 32).float().mean().item())
 
 
 def test_the_disk_cache_is_written_once_read_as_the_files_and_refuses_what_it_does_not_hold(photos, tmp_path):
