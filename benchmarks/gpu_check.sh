@@ -3,13 +3,15 @@
 # docs/benchmarks.md). Prints everything and keeps a copy in OUT/gpu_check.log.
 #
 #   bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to runs/gpu-check
-#   GPU_CHECK_DEVICE=cpu GPU_CHECK_EPOCHS=0.1 GPU_CHECK_ROUNDS=2 GPU_CHECK_RUNS=1 bash benchmarks/gpu_check.sh /tmp/x
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_EPOCHS=0.1 GPU_CHECK_ROUNDS=2 GPU_CHECK_RUNS=1 GPU_CHECK_COMPILE_STEPS=2 \
+#       bash benchmarks/gpu_check.sh /tmp/x
 #                                               # a short dry run of the same steps on CPU
 #
 # Runs from a checkout without installing (PYTHONPATH=src); MNIST comes from $BRICKYARD_DATA or is
 # downloaded. Steps: 1 epoch at fp32, bf16 and fp16 (GradScaler) on one GPU; torchrun + NCCL with
 # one process per GPU (2 when there are 2; the parameter server on 3); `brickyard bench` scaling; `brickyard memory` estimate
-# vs the measured peak; the overhead ratio and the time to 99%.
+# vs the measured peak; the overhead ratios (small nets, ResNet-18, ResNet-50); ResNet-50 with
+# train.compile: auto against eager; FSDP on two devices where there are two; the time to 99%.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-check}
@@ -20,6 +22,7 @@ DEVICE=${GPU_CHECK_DEVICE:-cuda}
 EPOCHS=${GPU_CHECK_EPOCHS:-1}
 ROUNDS=${GPU_CHECK_ROUNDS:-10}   # overhead rounds
 TTA_RUNS=${GPU_CHECK_RUNS:-3}    # time-to-accuracy runs
+COMPILE_STEPS=${GPU_CHECK_COMPILE_STEPS:-1000}  # steps of the train.compile comparison
 RUNS=$(mktemp -d)
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
@@ -65,6 +68,30 @@ fi
 step "memory mnist" $PY -m brickyard memory mnist --devices $ONE
 step "memory resnet18 (synthetic data)" $PY -m brickyard memory fashion-resnet18 --devices $ONE --set data.name=synthetic
 step "overhead" $PY benchmarks/overhead.py --device "$DEVICE" --rounds "$ROUNDS"
+if [ "$DEVICE" = cpu ]; then BIG="--rounds 2 --steps 2"; else BIG="--rounds $ROUNDS --steps 20"; fi
+step "overhead resnet18 (32 px)" $PY benchmarks/overhead.py --device "$DEVICE" --case resnet18 $BIG
+step "overhead resnet50 (224 px)" $PY benchmarks/overhead.py --device "$DEVICE" --case resnet50 $BIG $([ "$DEVICE" = cpu ] || echo --batch 128)
+# train.compile: auto against eager on a ResNet-50 (synthetic 224 px images, 1,000 steps: auto compiles on CUDA)
+for c in false auto; do
+    step "resnet50 train.compile=$c" $PY -m brickyard train --device "$DEVICE" --run-dir "$RUNS/compile-$c" \
+        --set model.name=resnet50 --set data.name=synthetic --set data.synthetic.channels=3 \
+        --set data.synthetic.height=224 --set data.synthetic.width=224 --set data.synthetic.num_train=4096 \
+        --set data.synthetic.num_val=64 --set data.synthetic.num_test=64 \
+        --set data.global_batch_size=$([ "$DEVICE" = cpu ] && echo 8 || echo 128) --set train.max_steps=$COMPILE_STEPS \
+        --set train.epochs=0 --set train.compile=$c --set train.progress=none --set train.plots=false
+    [ -f "$RUNS/compile-$c/summary.json" ] && result "$RUNS/compile-$c" && grep -m1 "\"compiled\"" "$RUNS/compile-$c/summary.json"
+done
+# FSDP under torchrun, one process per device (one device has nothing to shard), vit_small on 64 px images
+if [ "$NGPU" -ge 2 ]; then
+    step "FSDP, vit_small ($TWO)" $PY -m brickyard train --devices $TWO --run-dir "$RUNS/fsdp" --set dist.strategy=fsdp \
+        --set model.name=vit_small --set data.name=synthetic --set data.synthetic.channels=3 --set data.synthetic.height=64 \
+        --set data.synthetic.width=64 --set data.synthetic.num_train=8192 --set data.synthetic.num_val=64 \
+        --set data.synthetic.num_test=64 --set train.max_steps=$COMPILE_STEPS --set train.epochs=0 --set train.eval_every=0 \
+        --set train.progress=none --set train.plots=false
+    [ -f "$RUNS/fsdp/summary.json" ] && result "$RUNS/fsdp" && $PY -c "import json,sys; s=json.load(open(sys.argv[1])); print('  ->', {k: s.get(k) for k in ('strategy', 'held_per_rank', 'peak_device_memory_mb', 'peak_host_rss_mb')})" "$RUNS/fsdp/summary.json"
+else
+    echo "(one GPU: FSDP has nothing to shard; its tests run on CPU processes)"
+fi
 step "time to accuracy" $PY benchmarks/time_to_accuracy.py --runs "$TTA_RUNS" -- --device "$DEVICE"
 rm -rf "$RUNS"
 echo; echo "gpu_check: $failed step(s) failed; log in $OUT/gpu_check.log"

@@ -81,17 +81,19 @@ def brickyard_loop(model_name, batch, steps, device_name, n_train, image=(1, 28,
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mnist_fast")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--batch", type=int, help="default 128, or the case's")
+    p.add_argument("--steps", type=int, help="default 100, or the case's")
+    p.add_argument("--rounds", type=int, help="default 15, or the case's")
     p.add_argument("--device", default="auto")
     p.add_argument("--image", default="1x28x28", help="C x H x W of the synthetic images")
-    p.add_argument("--case", choices=sorted(CASES), help="a bigger model: sets --model, --image, --batch, --steps, --rounds")
+    p.add_argument("--case", choices=sorted(CASES), help="a bigger model: sets --model and --image, and the defaults of "
+                   "--batch, --steps and --rounds (sized for a CPU; give larger ones on a GPU)")
     a = p.parse_args(argv)
     image = tuple(int(v) for v in a.image.split("x"))
+    c = CASES[a.case] if a.case else dict(batch=128, steps=100, rounds=15)
     if a.case:
-        c = CASES[a.case]
-        a.model, image, a.batch, a.steps, a.rounds = c["model"], c["image"], c["batch"], c["steps"], c["rounds"]
+        a.model, image = c["model"], c["image"]
+    a.batch, a.steps, a.rounds = (a.batch or c["batch"]), (a.steps or c["steps"]), (a.rounds or c["rounds"])
     device = dev.resolve_device(a.device)
     if device.type == "cpu":
         dev.set_threads(0, 1)

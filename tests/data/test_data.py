@@ -160,3 +160,29 @@ def test_an_explicit_root_means_that_folder(tmp_path, cache_dir, monkeypatch):
     with pytest.raises(DataError) as e:  # another copy sits under $BRICKYARD_DATA: it must not be used
         idx.load_idx("mnist", str(empty), allow_download=False)
     assert f"put the four files in {empty} (data.download is off)" in str(e.value)
+
+
+def test_the_fashion_preset_downloads_from_a_mirror_and_trains(tmp_path, monkeypatch, cache_dir, http_folder):
+    """`brickyard train fashion-resnet18` as a user meets it: the four files fetched from a (loopback)
+    mirror, checked, cached, then the preset's ResNet-18 with crop-flip augmentation trains. Pinned:
+    fp32, one thread, 2 steps of 16 images; the files are made here, so the spec carries their MD5s."""
+    from brickyard import api
+    from brickyard.config import load_config
+    www, url = http_folder
+    rng = np.random.default_rng(0)
+    md5 = {}
+    for stem, n in zip(idx.FILES, (60, 60, 20, 20)):
+        arr = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) if "images" in stem else (np.arange(n) % 10).astype(np.uint8)
+        raw = bytes([0, 0, 8, arr.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in arr.shape) + arr.tobytes()
+        (www / f"{stem}.gz").write_bytes(gzip.compress(raw))
+        md5[stem] = hashlib.md5(raw).hexdigest()
+    spec = idx.SPECS["fashion-mnist"]
+    monkeypatch.setitem(idx.SPECS, "fashion-mnist", idx.IdxSpec((url,), md5, spec.classes))
+    monkeypatch.setenv("BRICKYARD_DATA", str(tmp_path / "nothing"))
+    cfg = load_config("fashion-resnet18", ["train.precision=fp32", "train.threads=1", "data.global_batch_size=16",
+                                           "train.max_steps=2", "train.progress=none", "train.plots=false"])
+    summary = api.train_config(cfg, tmp_path / "run")
+    assert summary["steps"] == 2 and summary["data"] == "fashion-mnist" and summary["model"] == "resnet18"
+    assert sorted(p.name for p in (cache_dir / "fashion-mnist").glob("*.gz")) == sorted(f"{s}.gz" for s in idx.FILES)
+    (www / f"{idx.FILES[0]}.gz").write_bytes(b"not the file")  # a corrupt mirror: the cached copy is used, not replaced
+    assert api.train_config(cfg, tmp_path / "again")["steps"] == 2

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -32,3 +33,30 @@ def test_tuned_allocator_stops_page_faults_in_training_steps():
         assert r.returncode == 0, r.stderr
         faults[mode] = int(r.stdout.split()[-1])
     assert faults["tuned"] * 5 < faults["default"], faults
+
+
+def test_compile_auto_compiles_only_where_it_can_pay():
+    """train.compile: auto: CUDA, a model of 5M parameters or more, 1,000 steps or more; never a CPU."""
+    import torch
+
+    from brickyard.training.device import resolve_compile
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    resnet50, mnist_fast = 25_557_032, 29_322
+    assert resolve_compile("auto", cuda, resnet50, 5_000)
+    assert not resolve_compile("auto", cuda, resnet50, 999)       # a short run never earns the compile back
+    assert not resolve_compile("auto", cuda, mnist_fast, 50_000)  # nothing to fuse that pays
+    assert not resolve_compile("auto", cpu, resnet50, 50_000)
+    assert resolve_compile(True, cpu, mnist_fast, 1) and not resolve_compile(False, cuda, resnet50, 50_000)
+
+
+def test_compile_auto_on_a_cpu_trains_uncompiled_and_a_wrong_value_is_one_sentence(tmp_path):
+    from conftest import run_cli
+    r = run_cli("train", "--run-dir", str(tmp_path / "run"), "--set", "train.compile=auto", "--set", "train.max_steps=3",
+                "--set", "train.precision=fp32", "--set", "data.name=synthetic", "--set", "train.plots=false")
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "device cpu" in log and ", compiled" not in log
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["compiled"] is False
+    bad = run_cli("train", "--run-dir", str(tmp_path / "bad"), "--set", "train.compile=sometimes")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "train.compile" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()

@@ -116,8 +116,10 @@ def _job(cfg, info, host):
     fwd, sync = grad_sync(cfg.dist, model, device, own_cores=host.own_cores) if info.distributed else (model, gradsync.GradSync())
     loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
     prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
+    n_params = sum(p.numel() for p in model.parameters())  # auto as for a run long enough to pay for compiling
+    compiled = dev.resolve_compile(t.compile, device, n_params, dev.COMPILE_MIN_STEPS)
     job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device, precision=host.precision,
-                          fwd=torch.compile(fwd) if t.compile else fwd, sync=sync, model=model, optimizer=optimizer,
+                          fwd=torch.compile(fwd) if compiled else fwd, sync=sync, model=model, optimizer=optimizer,
                           distributed=info.distributed)
     return job, data
 

@@ -69,6 +69,20 @@ def resolve_channels_last(value, precision: str, device: torch.device) -> bool:
     return bool(value)
 
 
+COMPILE_MIN_PARAMS = 5_000_000  # ResNet-18 (11.7M), ResNet-50, VGG16, ViT-S; not the MNIST nets (30k-430k)
+COMPILE_MIN_STEPS = 1_000
+
+
+def resolve_compile(value, device: torch.device, n_params: int, steps: int) -> bool:
+    """``train.compile``. ``auto`` compiles where compilation can pay for itself: on CUDA, for a model of
+    at least 5M parameters, in a run of at least 1,000 steps (compiling a large model takes tens of
+    seconds to minutes). Never on CPUs: compiled small nets ran slower there (docs/benchmarks.md,
+    "Tried and dropped"). The GPU thresholds are a judgement, not yet a measurement of brickyard's own."""
+    if value == "auto":
+        return device.type == "cuda" and n_params >= COMPILE_MIN_PARAMS and steps >= COMPILE_MIN_STEPS
+    return bool(value)
+
+
 def autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()

@@ -91,7 +91,7 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         train_seconds=round(e.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(e.images / max(e.train_seconds, 1e-9), 1), device=str(run.device),
         world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
-        channels_last=e.channels_last, model=e.meta.get("name"), data=data.name,
+        channels_last=e.channels_last, compiled=e.compiled, model=e.meta.get("name"), data=data.name,
         strategy="fsdp" if e.sharded else "none" if run.world_size == 1 else "ps" if cfg.dist.mode == "ps" else "ddp",
         held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
         host_rss_at_start_mb=round(e.rss_at_start_mb, 1),

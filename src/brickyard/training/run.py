@@ -67,6 +67,7 @@ class Engine:
     check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
     rss_at_start_mb: float = 0.0      # resident memory when train() began (the summary's peak is above it)
     sharded: bool = False             # FSDP: saving and evaluating are collectives every rank takes part in
+    compiled: bool = False            # train.compile resolved: run.forward is torch.compile(model)
     backward_done: bool = False       # the step called ``run.backward`` itself
     batch_weight: float = 1.0         # local batch / global batch x ranks / accumulation: mean loss -> gradient weight
     # what brickyard's behaviours report into the summary

@@ -190,7 +190,9 @@ def wrap(run: Run) -> None:
         e.grad_sync = fsdp.FSDPSync(run.model)
     elif run.world_size > 1 and not isinstance(e.update, ps.ParameterServerUpdate):  # the servers sync the rest
         model, e.grad_sync = grad_sync(run.config.dist, run.model, run.device, e.group, e.host.own_cores)
-    run.forward = torch.compile(model) if run.config.train.compile else model
+    n_params = sum(p.numel() for p in run.model.parameters())
+    e.compiled = dev.resolve_compile(run.config.train.compile, run.device, n_params, run.total_steps)
+    run.forward = torch.compile(model) if e.compiled else model
     e.vote = dist.StopVote(e.info)
 
 
@@ -220,7 +222,8 @@ def announce(run: Run, host: dev.Host, info) -> None:
     log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run._engine.channels_last}, "
              f"{host.threads} threads{pinned}" + (f", {host.workers} loader workers" if not data.in_memory else "")
              + f", allocator {host.allocator}, world size {info.world_size}"
-             + (f", gradient sync {run._engine.grad_sync.name}" if info.world_size > 1 else "") + f", pid {os.getpid()}")
+             + (f", gradient sync {run._engine.grad_sync.name}" if info.world_size > 1 else "")
+             + (", compiled" if run._engine.compiled else "") + f", pid {os.getpid()}")
     log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
