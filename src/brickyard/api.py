@@ -31,9 +31,10 @@ __all__ = ["fit", "resolve_config", "train_config", "build_model", "load_checkpo
 
 def resolve_config(config=None, overrides=()) -> Config:
     """A ``Config`` from a Config, a dict of sections, a preset name or a YAML path. ``None`` is the
-    default recipe, the one `brickyard train` uses (preset ``mnist``; its keys are the schema's defaults)."""
+    default recipe, the one `brickyard train` uses (preset ``mnist``: the schema's defaults but for
+    ``train.epochs``)."""
     if config is None:
-        return build({"preset": "mnist"}, overrides)
+        return load_config(None, overrides)
     if isinstance(config, Config):
         return build(config.to_dict(), overrides) if overrides else config
     if isinstance(config, dict):

@@ -106,3 +106,18 @@ def test_cross_field_checks_run_when_the_config_is_built():
     ):
         with pytest.raises(ConfigError, match=msg):
             load_config("mnist", override)
+
+
+def test_a_data_folder_named_like_the_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """People keep MNIST in ./mnist: `brickyard train` (preset mnist) from that folder's parent must still
+    find the preset (it said "config file mnist does not exist"), while a YAML file is still read by path."""
+    from conftest import run_cli
+    (tmp_path / "mnist").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None).preset == load_config("mnist").preset == "mnist" and load_config("mnist").train.epochs == 1.25
+    (tmp_path / "mine.yaml").write_text("train:\n  epochs: 3\n")
+    assert load_config("mine.yaml").train.epochs == 3
+    with pytest.raises(ConfigError, match="neither a YAML file nor a preset"):
+        load_config("nothing-here")
+    r = run_cli("memory", cwd=tmp_path)  # the default preset, through the CLI
+    assert r.returncode == 0 and "memory per device" in r.stdout, r.stderr

@@ -53,7 +53,7 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
     """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides."""
     source = source or "mnist"
     path = Path(source)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset (./mnist of data) is not a config
         if not path.is_file():
             raise ConfigError(f"config file {source} does not exist.")
         raw = _read_yaml(path)
