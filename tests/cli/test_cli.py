@@ -97,7 +97,7 @@ def test_models_and_presets_lists():
 
 def test_train_then_eval_a_checkpoint(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("train", *sets(*SYNTH, "train.epochs=2"), "--run-dir", str(run))
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=2", "optim.label_smoothing=0.1"), "--run-dir", str(run))
     assert r.returncode == 0, r.stderr
     assert f"run dir: {run}" in r.stdout and "test accuracy:" in r.stdout
     summary = json.loads((run / "summary.json").read_text())
@@ -105,6 +105,8 @@ def test_train_then_eval_a_checkpoint(tmp_path):
     assert e.returncode == 0, e.stderr
     result = json.loads(e.stdout)
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"]) and result["count"] == 128
+    # one checkpoint, one test loss: training evaluates without label smoothing, as eval does (and timm)
+    assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-4)
     v = json.loads(run_cli("eval", str(run / "checkpoints" / "best.pt"), "--split", "val").stdout)
     assert v["split"] == "val" and v["count"] == 128
     d = json.loads(run_cli("eval", str(run), "--split", "val").stdout)  # a run directory stands for its best.pt

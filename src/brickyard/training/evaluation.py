@@ -56,7 +56,7 @@ def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
         e = run._engine
         return evaluate(run.forward, split, e.prep, run.device, run.precision, c.data.eval_batch_size,
                         run.data.num_classes, e.data_world, run.rank, e.group, keep_errors,
-                        c.data.num_workers, e.loss_sum, lockstep=e.sharded)
+                        c.data.num_workers, e.eval_loss_sum, lockstep=e.sharded)
 
 
 def _fmt(r: dict, *keys) -> str:

@@ -51,6 +51,8 @@ class Engine:
     groups: list = field(default_factory=list)  # the optimiser's parameter groups as built
     prep: Any = None                  # raw batch -> device tensor (normalise, augment, layout)
     loss_sum: Callable | None = None  # (outputs, targets) -> summed loss, a 0-dim float tensor
+    eval_loss_sum: Callable | None = None  # the same for validation and test: no label smoothing (as timm's
+                                           # validate_loss_fn), so they read as `brickyard eval` reads a checkpoint
     scaler: Any = None                # torch.amp.GradScaler (a no-op unless fp16)
     schedule: Any = None              # step -> learning rate
     update: Any = None                # the update strategy (``training.updates.Update``)

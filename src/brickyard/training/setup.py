@@ -80,6 +80,7 @@ def build_run(req: Request, host, log) -> Run:
     peak, schedule = _schedule(cfg, data_world, total, per_epoch)
     engine = Engine(data_world=data_world, group=group, info=info, host=host, meta=meta, channels_last=channels_last,
                     peak_lr=peak, groups=groups, schedule=schedule, loss_sum=make_loss_sum(loss_fn, cfg.optim.label_smoothing),
+                    eval_loss_sum=make_loss_sum(loss_fn),
                     step_fn=user_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
                     totals=Totals(device, group), check_each_step=t.nan_guard and device.type == "cpu",
                     sharded=fsdp.is_sharded(model))
