@@ -186,3 +186,16 @@ def test_the_fashion_preset_downloads_from_a_mirror_and_trains(tmp_path, monkeyp
     assert sorted(p.name for p in (cache_dir / "fashion-mnist").glob("*.gz")) == sorted(f"{s}.gz" for s in idx.FILES)
     (www / f"{idx.FILES[0]}.gz").write_bytes(b"not the file")  # a corrupt mirror: the cached copy is used, not replaced
     assert api.train_config(cfg, tmp_path / "again")["steps"] == 2
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalisation_is_the_formula_bit_for_bit_and_leaves_the_batch_alone(channels_last):
+    """DevicePrep normalises in place for speed: the result must be (x / 255 - mean) / std exactly (runs
+    and resumes reproduce across versions), in the layout asked for, and the uint8 batch unchanged."""
+    x = torch.randint(0, 256, (4, 3, 9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    out = DevicePrep(mean, std, channels_last=channels_last)(x)
+    ref = (x.float() / 255.0 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert torch.equal(out, ref) and torch.equal(x, before)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
