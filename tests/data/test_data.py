@@ -184,7 +184,7 @@ def test_the_fashion_preset_downloads_from_a_mirror_and_trains(tmp_path, monkeyp
     summary = api.train_config(cfg, tmp_path / "run")
     assert summary["steps"] == 2 and summary["data"] == "fashion-mnist" and summary["model"] == "resnet18"
     assert sorted(p.name for p in (cache_dir / "fashion-mnist").glob("*.gz")) == sorted(f"{s}.gz" for s in idx.FILES)
-    (www / f"{idx.FILES[0]}.gz").write_bytes(b"not the file")  # a corrupt mirror: the cached copy is used, not replaced
+    (www / f"{idx.FILES[0]}.gz").write_bytes(b"not the file")  # once cached, the mirror is not asked again
     assert api.train_config(cfg, tmp_path / "again")["steps"] == 2
 
 
