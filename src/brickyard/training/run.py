@@ -51,8 +51,9 @@ class Engine:
     groups: list = field(default_factory=list)  # the optimiser's parameter groups as built
     prep: Any = None                  # raw batch -> device tensor (normalise, augment, layout)
     loss_sum: Callable | None = None  # (outputs, targets) -> summed loss, a 0-dim float tensor
-    eval_loss_sum: Callable | None = None  # the same for validation and test: no label smoothing (as timm's
-                                           # validate_loss_fn), so they read as `brickyard eval` reads a checkpoint
+    eval_loss_sum: Callable | None = None  # the same for validation and test: no label smoothing, so they read
+    # as `brickyard eval` reads a checkpoint; as timm does (train.py at 004fb5f, main(), the "setup loss function"
+    # block: LabelSmoothingCrossEntropy to train when --smoothing, validate_loss_fn = nn.CrossEntropyLoss())
     scaler: Any = None                # torch.amp.GradScaler (a no-op unless fp16)
     schedule: Any = None              # step -> learning rate
     update: Any = None                # the update strategy (``training.updates.Update``)
