@@ -1,44 +1,24 @@
-"""``Checkpointing``: ``step-N.pt`` every ``checkpoint.every_steps`` and at epoch ends, ``best.pt`` by
-validation accuracy (else loss), and a last save when the loop ends (a stop, ``max_steps``)."""
+"""``Checkpointing``: when to save. ``step-N.pt`` every ``checkpoint.every_steps`` and at epoch ends,
+``best.pt`` by validation accuracy (else loss), and a last save when the loop ends (a stop,
+``max_steps``). What is saved, where and how is ``training.checkpoint.Checkpoints``'."""
 from __future__ import annotations
 
 from brickyard.callbacks.base import Callback
-from brickyard.distributed import process as dist
 
 
 class Checkpointing(Callback):
-    """Saves through a ``CheckpointManager`` (rank 0 only; the NaN guard runs on every rank first). Under
-    FSDP every rank gathers the state with rank 0, which writes it."""
+    """Decides when the run's ``Checkpoints`` save (every rank calls it: under FSDP saving is collective)."""
 
-    def __init__(self, manager, every_steps: int, every_epoch: bool, state_fn, guard):
-        self.guard = guard  # the NaN guard (``training.step.guard``): no non-finite weights are saved
-        self.manager, self.every_steps, self.every_epoch, self.state_fn = manager, every_steps, every_epoch, state_fn
+    def __init__(self, checkpoints, every_steps: int, every_epoch: bool):
+        self.checkpoints, self.every_steps, self.every_epoch = checkpoints, every_steps, every_epoch
         self.saved_at = None
 
     def save(self, run, metric: float | None = None) -> None:
-        self.guard(run)
         self.saved_at = run.step
-        sharded = run._engine.sharded
-        if self.manager is None and not sharded:
-            return
-        best = None
-        improves = metric is not None and self.manager is not None and self.manager.improves(metric)
-        if sharded:  # rank 0 keeps the best metric; the others gather what it will write
-            improves = dist.broadcast_object(improves)
-        if improves:
-            if self.manager is not None:
-                self.manager.best_metric = metric  # recorded in the state, so a resumed run compares with it
-            if run.swaps_eval_weights:
-                with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
-                    best = self.state_fn(run)
-                    best["model"] = {k: v.detach().clone() for k, v in best["model"].items()}
-        else:
-            metric = None
-        state = self.state_fn(run)
-        if self.manager is None:
-            return
-        run.last_checkpoint = self.manager.save(state, run.step, metric, best)
-        run._engine.callbacks.on_checkpoint(run, run.last_checkpoint)
+        path = self.checkpoints.save(run, metric)
+        if path is not None:
+            run.last_checkpoint = path
+            run._engine.callbacks.on_checkpoint(run, path)
 
     def on_step_end(self, run, loss):
         if self.every_steps and run.step % self.every_steps == 0:

@@ -6,11 +6,13 @@ import time
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
+from brickyard.files import write_atomic
 
 
 class CSVLogger(Callback):
     """One CSV row per validation: step, epoch, learning rate, training loss and the validation metrics.
-    Written by rank 0, flushed after each row; appends when the file exists (a resumed run). A relative
+    Written by rank 0, flushed after each row; a resumed run appends, after dropping the rows past the step it
+    resumes from (and a line cut by a crash). A relative
     ``path`` is taken in the run directory."""
 
     COLUMNS = ("step", "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "val_top5", "seconds")
@@ -23,6 +25,8 @@ class CSVLogger(Callback):
             return
         self.path = self.path if self.path.is_absolute() else Path(run.run_dir) / self.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if run.step and self.path.is_file():
+            _drop_rows_after(self.path, run.step)  # a resumed run trains those steps again
         new = not self.path.exists() or self.path.stat().st_size == 0
         self.f = open(self.path, "a", newline="", buffering=1)
         self.writer = csv.writer(self.f)
@@ -41,3 +45,17 @@ class CSVLogger(Callback):
         if self.f is not None:
             self.f.close()
             self.f = None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    keep = lines[:1] + [x for x in lines[1:] if x.endswith("\n") and _step(x) is not None and _step(x) <= step]
+    if keep != lines:
+        write_atomic(path, "".join(keep))
+
+
+def _step(line: str) -> int | None:
+    try:
+        return int(line.split(",", 1)[0])
+    except ValueError:
+        return None

@@ -44,7 +44,7 @@ def run(args) -> int:
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
     cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
-    from brickyard.observe.runlog import write_json
+    from brickyard.files import write_json
     from brickyard.tools import bench
     if args.result:  # a job of one spec: in this process, or one torchrun job whose rank 0 writes the result
         spec = (args.devices or [None])[0]

@@ -18,6 +18,7 @@ from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, Data
                                      ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, build, cross_check,
                                      per_device_wins)
 from brickyard.errors import ConfigError
+from brickyard.files import write_atomic, write_if_changed
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -95,15 +96,29 @@ def resume_config(run_dir, source: str | None, overrides=()) -> Config:
         return load_config(source or "mnist", overrides)
     saved = _read_yaml(saved_path)
     cfg = build(saved, overrides)
-    asked = load_config(source, overrides) if source else cfg
-    old, new, wanted = _flat(build(saved).to_dict()), _flat(cfg.to_dict()), _flat(asked.to_dict())
-    for key in old:
-        changed = new[key] != old[key] or wanted[key] != old[key]
-        if changed and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE_ON_RESUME):
-            value = wanted[key] if wanted[key] != old[key] else new[key]
-            raise ConfigError(f"--resume: {key} is {old[key]!r} in the run in {run_dir}, not {value!r}; a resumed run keeps "
-                              f"its config (only how long it trains, what it logs and where it runs may change).")
+    where = f"the run in {run_dir}"
+    check_resumable(saved, cfg, where)
+    if source:
+        check_resumable(saved, load_config(source, overrides), where)
     return cfg
+
+
+def check_resumable(saved: dict, cfg: Config, where: str) -> None:
+    """Refuse, naming the first key, a ``cfg`` that would change the run ``saved`` (a config dict from a
+    run's ``config.yaml`` or a checkpoint) describes beyond ``MAY_CHANGE_ON_RESUME``."""
+    try:
+        old = _flat(build(saved).to_dict())
+    except ConfigError as e:
+        raise ConfigError(f"--resume: the config saved in {where} is not one this brickyard can read ({e})") from None
+    new = _flat(cfg.to_dict())
+    for key in old:
+        if key in new and new[key] != old[key] and not _may_change(key):
+            raise ConfigError(f"--resume: {key} is {old[key]!r} in {where}, not {new[key]!r}; a resumed run keeps "
+                              f"its config (only how long it trains, what it logs and where it runs may change).")
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE_ON_RESUME)
 
 
 def _deep_merge(a: dict, b: dict) -> dict:
@@ -113,8 +128,14 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_config(cfg: Config, path: Path) -> bool:
+    """The resolved config, under a first line that marks it as brickyard's, written atomically and only
+    when it changed; True when it wrote."""
+    return write_if_changed(path, RESOLVED_HEADER + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# the first line of a run directory's config.yaml: what tells brickyard's resolved dump from a user's file
+RESOLVED_HEADER = "# the resolved config of this run, written by brickyard (load it with `brickyard train THIS_FILE`)"
 
 
 def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -150,5 +171,5 @@ def update_reference(path: Path) -> bool:
     text = path.read_text()
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
     new = text[:start] + markdown_table() + text[end:]
-    path.write_text(new)
+    write_atomic(path, new)
     return new != text

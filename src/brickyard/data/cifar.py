@@ -26,6 +26,7 @@ import numpy as np
 
 from brickyard.data import idx
 from brickyard.errors import DataError
+from brickyard.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def download(name: str, folder: Path) -> None:
     if got != spec.md5:
         raise DataError(f"{url} is not the published {spec.archive} (MD5 {got}, expected {spec.md5}); nothing was "
                         f"kept: download it again or place the file by hand.")
-    idx.atomic_write(folder / spec.archive, lambda f: f.write(data))
+    write_atomic(folder / spec.archive, lambda f: f.write(data))
 
 
 def _members(folder: Path, spec: CifarSpec) -> dict[str, bytes]:
@@ -134,8 +135,10 @@ def load(name: str, root: str | None, allow_download: bool) -> dict:
         try:
             with np.load(cached) as z:
                 return {"train": (z["xtr"], z["ytr"]), "test": (z["xte"], z["yte"]), "classes": [str(c) for c in z["classes"]]}
+        except PermissionError:
+            pass  # another user's cache in a shared folder: theirs to keep; decoded from the archive instead
         except (OSError, ValueError, KeyError):
-            cached.unlink(missing_ok=True)
+            cached.unlink(missing_ok=True)  # cut short or damaged: built again below
     raw = _members(folder, spec)
     parts = {}
     for split, files in (("train", spec.train), ("test", spec.test)):
@@ -146,10 +149,10 @@ def load(name: str, root: str | None, allow_download: bool) -> dict:
     if len(classes) != n_classes or int(max(parts["train"][1].max(), parts["test"][1].max())) >= n_classes:
         raise DataError(f"{folder}: {spec.names} and the labels do not describe {n_classes} classes: the files are not "
                         f"{name}'s.")
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        idx.atomic_write(cached, lambda f: np.savez(f, xtr=parts["train"][0], ytr=parts["train"][1],
-                                                      xte=parts["test"][0], yte=parts["test"][1], classes=np.array(classes)))
-    except OSError:
-        pass  # a read-only place: decoded again next time
+    if not cached.exists():  # one this user cannot read (above) is left as it is
+        try:
+            write_atomic(cached, lambda f: np.savez(f, xtr=parts["train"][0], ytr=parts["train"][1],
+                                                    xte=parts["test"][0], yte=parts["test"][1], classes=np.array(classes)))
+        except OSError:
+            pass  # a read-only place: decoded again next time
     return {**parts, "classes": classes}

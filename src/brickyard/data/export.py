@@ -8,13 +8,13 @@ export still has every class (an empty class folder is an error for the image-fo
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from brickyard.data import idx
+from brickyard.files import write_atomic
 
 
 def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jpeg_size: int = 0) -> dict[str, int]:
@@ -36,12 +36,9 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jp
             path = out / split / classes[int(labels[i])] / f"{i:05d}.{'jpg' if jpeg_size else 'png'}"
             if path.exists():
                 continue
-            tmp = path.with_name(f".{path.name}.tmp")
             im = Image.fromarray(np.asarray(images[i]))
             if jpeg_size:
-                im.convert("RGB").resize((jpeg_size, jpeg_size), Image.BICUBIC).save(tmp, format="JPEG", quality=90)
-            else:
-                im.save(tmp, format="PNG")
-            os.replace(tmp, path)
+                im = im.convert("RGB").resize((jpeg_size, jpeg_size), Image.BICUBIC)
+            write_atomic(path, lambda f: im.save(f, format="JPEG", quality=90) if jpeg_size else im.save(f, format="PNG"))
         counts[split] = len(keep)
     return counts

@@ -13,7 +13,6 @@ import gzip
 import hashlib
 import os
 import sys
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from brickyard.errors import DataError
+from brickyard.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ def _read_bytes(path: Path) -> bytes:
             with gzip.open(path, "rb") as f:
                 return f.read()
         return path.read_bytes()
+    except PermissionError:
+        raise DataError(f"{path} cannot be read: permission denied (ask its owner to make it readable).") from None
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise DataError(f"{path} is truncated or not a valid file ({e}); delete it to download it again.") from None
 
@@ -99,20 +101,6 @@ def decode(raw: bytes, path: Path) -> np.ndarray:
     if len(raw) - offset != int(np.prod(dims)):
         raise DataError(f"{path} is truncated: header says {dims}, found {len(raw) - offset} bytes of data.")
     return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
-
-
-def atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def download(name: str, folder: Path) -> None:
@@ -132,7 +120,7 @@ def download(name: str, folder: Path) -> None:
             if got != spec.md5[stem]:
                 errors.append(f"{url}: checksum {got} != {spec.md5[stem]}")
                 continue
-            atomic_write(folder / f"{stem}.gz", lambda f: f.write(data))
+            write_atomic(folder / f"{stem}.gz", lambda f: f.write(data))
             break
         else:
             places = " or ".join(str(d) for d in candidate_dirs(name, None))
@@ -196,18 +184,21 @@ def _load_one(name: str, folder: Path, stem: str) -> np.ndarray:
     if cached.is_file():
         try:
             return np.load(cached, mmap_mode="r")
+        except PermissionError:
+            pass  # another user's cache in a shared folder: theirs to keep; decoded from the source instead
         except (OSError, ValueError):
-            cached.unlink(missing_ok=True)
+            cached.unlink(missing_ok=True)  # cut short or damaged: built again below
     raw = _read_bytes(source)
     expected = SPECS[name].md5[stem]
     got = hashlib.md5(raw).hexdigest()
     if got != expected:
         raise DataError(f"{source} has MD5 {got} (decompressed), expected {expected}; the file is corrupt or truncated.")
     array = decode(raw, source)
-    try:
-        atomic_write(cached, lambda f: np.save(f, array))
-    except OSError:
-        pass  # a read-only cache only costs start-up time
+    if not cached.exists():
+        try:
+            write_atomic(cached, lambda f: np.save(f, array))
+        except OSError:
+            pass  # a read-only cache only costs start-up time
     return array
 
 

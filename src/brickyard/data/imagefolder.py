@@ -26,7 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from brickyard.data.bundle import DataBundle, Split
-from brickyard.data.idx import atomic_write, cache_dir
+from brickyard.data.idx import cache_dir
+from brickyard.files import write_atomic
 from brickyard.data.transforms import NAMED_STATS, Pipeline, to_channels
 from brickyard.errors import ConfigError, DataError
 
@@ -151,12 +152,17 @@ class DiskCache:
                 offset += img.size
             index[-1] = (offset, len(self.files), int(self.fingerprint, 16) & (2**62 - 1), 0)
 
-        atomic_write(self.pixels, write)
-        atomic_write(self.index_path, lambda f: np.save(f, index))
+        write_atomic(self.pixels, write)
+        write_atomic(self.index_path, lambda f: np.save(f, index))
 
     def _open(self) -> None:
         try:
             index = np.load(self.index_path)
+            open(self.pixels, "rb").close()
+        except PermissionError as e:
+            raise DataError(f"image cache {e.filename or self.index_path} cannot be read: permission denied (another "
+                            f"user's cache in a shared folder; ask them to make it readable, or point BRICKYARD_CACHE "
+                            f"and a folder of your own at the images).") from None
         except (OSError, ValueError) as e:
             raise DataError(f"image cache index {self.index_path} cannot be read ({e}); delete it to rebuild the cache.") from None
         total, n, stamp = (int(v) for v in index[-1][:3])

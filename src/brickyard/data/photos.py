@@ -15,11 +15,12 @@ Layout: ``DIR/train/<class>/<i>.jpg``, ``DIR/val/...``, ``DIR/test/...`` (``data
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+
+from brickyard.files import write_atomic
 
 SHAPES = ("disc", "square", "triangle", "ring", "cross", "star", "diamond", "hexagon", "bars", "crescent")
 
@@ -131,8 +132,7 @@ def make_photo_folder(out: Path, classes: int = 10, per_class: dict | None = Non
                 if path.exists():
                     continue
                 rng = np.random.default_rng([seed, s, c, i])
-                tmp = path.with_name(f".{path.name}.tmp")
-                photo(c, classes, rng, min_size, max_size).save(tmp, format="JPEG", quality=quality)
-                os.replace(tmp, path)
+                im = photo(c, classes, rng, min_size, max_size)
+                write_atomic(path, lambda f: im.save(f, format="JPEG", quality=quality))
         counts[split] = n * classes
     return counts

@@ -162,12 +162,13 @@ def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     # lazy: these import torch, and the CLI imports this module before a command runs (start-up time)
     from brickyard.data.loaders import check_readers, device_batches
-    from brickyard.observe.runlog import default_run_dir, refuse_reuse
+    from brickyard.observe.runlog import default_run_dir
+    from brickyard.training.rundir import RunDir
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
-    if not args.resume and not job.max_restarts and job.hosts_rendezvous():
-        refuse_reuse(run_dir)  # before any worker starts
+    if job.hosts_rendezvous():  # before any worker starts: the directory is free and may take this run
+        RunDir(run_dir, owner=True).probe(args.resume, restarting=bool(job.max_restarts))
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
     if cfg.dist.mode == "ps":
         from brickyard.distributed.parameter_server import NO_RESUME, check_layout  # lazy: imports torch

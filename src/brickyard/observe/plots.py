@@ -16,6 +16,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from brickyard.errors import BrickyardError
+from brickyard.files import write_atomic
 from brickyard.observe.runlog import read_metrics
 from brickyard.training.checkpoint import read
 
@@ -160,7 +161,7 @@ def _curves(runs, path: Path) -> Path:
     for row in axes:
         for ax in row:
             ax.render(font, small)
-    img.save(path)
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
     return path
 
 
@@ -175,7 +176,7 @@ def scaling(world_sizes, images_per_second, efficiency, path: Path) -> Path:
     right.plot(world_sizes, efficiency, COLORS[1], "test", "efficiency %")
     left.render(font, small)
     right.render(font, small)
-    img.save(path)
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
     return path
 
 
@@ -211,7 +212,7 @@ def _confusion(confusion, path: Path) -> Path:
         d.line([(bx, T + k), (bx + 16, T + k)], fill=_blue(1 - k / max(1, n * cell - 1)))
     d.text((bx + 22, T), str(top), fill="black", font=small, anchor="lt")
     d.text((bx + 22, T + n * cell), "0", fill="black", font=small, anchor="lb")
-    img.save(path)
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
     return path
 
 
@@ -241,5 +242,5 @@ def _misclassified(source: Path, path: Path) -> Path:
         tile = Image.fromarray(pixels[k, :, :, :3] if c in (3, 4) else pixels[k, :, :, 0]).convert("RGB")
         img.paste(tile.resize((tw, th), Image.NEAREST), (x, y + label))
         d.text((x + tw / 2, y + label / 2), f"{name(true[k])}>{name(pred[k])}", fill="red", font=small, anchor="mm")
-    img.save(path)
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
     return path

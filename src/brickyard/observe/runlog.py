@@ -18,7 +18,6 @@ import numpy
 import torch
 
 from brickyard import __version__
-from brickyard.errors import BrickyardError
 
 
 def default_run_dir(preset: str) -> Path:
@@ -31,24 +30,21 @@ def default_run_dir(preset: str) -> Path:
     return path
 
 
-def refuse_reuse(run_dir: Path) -> None:
-    """A folder that holds a run is continued with ``--resume``, never trained into afresh: the old
-    checkpoints would mix with the new ones (``--resume auto`` would then pick the other run's newest
-    step) and the metrics of two runs would interleave."""
-    run_dir = Path(run_dir)
-    if (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step-*.pt")):
-        raise BrickyardError(f"run directory {run_dir} already holds a run; continue it with --resume auto, "
-                             f"or pick another --run-dir.")
-
-
 class MetricsWriter:
+    """Appends rows to ``path`` (None: writes nothing, the other ranks). The file is opened at the first
+    row, so a run that fails before it starts leaves no ``metrics.jsonl`` (which marks a directory as
+    holding a run)."""
+
     def __init__(self, path: Path | None):
-        self.f = open(path, "a", buffering=1) if path else None
+        self.path, self.f = path, None
 
     def write(self, **record) -> None:
-        if self.f:
-            record.setdefault("time", round(time.time(), 3))
-            self.f.write(json.dumps(record) + "\n")
+        if self.path is None:
+            return
+        if self.f is None:
+            self.f = open(self.path, "a", buffering=1)
+        record.setdefault("time", round(time.time(), 3))
+        self.f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self.f:
@@ -79,12 +75,6 @@ def env_record(device: torch.device, seed: int, world_size: int, extra: dict | N
         info["gpu"] = torch.cuda.get_device_name(device)
     info.update(extra or {})
     return info
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def print_result(summary: dict) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from brickyard import models
 from brickyard.errors import BrickyardError
+from brickyard.files import write_atomic
 from brickyard.training import checkpoint as ckpt
 
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2"}
@@ -58,32 +59,30 @@ def export(source, fmt: str, out: Path | None = None) -> Path:
     program = Normalised(model, meta["mean"], meta["std"]).eval()
     example = torch.rand(2, meta["in_channels"], *meta["image_size"])
     meta["normalises"] = True
-    tmp = out.with_name(f".tmp-{out.name}")
     try:
         with torch.no_grad():
             if fmt == "torchscript":
-                torch.jit.save(torch.jit.trace(program, example), str(tmp), _extra_files={_META: json.dumps(meta)})
+                traced = torch.jit.trace(program, example)
+                write_atomic(out, lambda f: torch.jit.save(traced, f, _extra_files={_META: json.dumps(meta)}))
             else:
                 batch = torch.export.Dim("batch", min=1, max=1 << 16)  # any batch size, not the example's
                 ep = torch.export.export(program, (example,), dynamic_shapes=({0: batch},))
-                torch.export.save(ep, str(tmp), extra_files={_META: json.dumps(meta)})
+                write_atomic(out, lambda f: torch.export.save(ep, f, extra_files={_META: json.dumps(meta)}))
+    except OSError:
+        raise  # the output cannot be written: the CLI says where and why
     except Exception as e:  # noqa: BLE001  tracing a model is where export fails, for reasons of the model's
-        tmp.unlink(missing_ok=True)
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise BrickyardError(f"--format {fmt}: {meta['name']} could not be exported ({reason}); try --format safetensors.") from None
-    tmp.replace(out)
     return out
 
 
 def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
     try:
-        from safetensors.torch import save_file  # optional dependency
+        from safetensors.torch import save  # optional dependency
     except ImportError:
         raise BrickyardError("--format safetensors needs the safetensors package (pip install safetensors).") from None
     tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={_META: json.dumps(meta)})
-    tmp.replace(out)
+    write_atomic(out, save(tensors, metadata={_META: json.dumps(meta)}))
 
 
 def is_exported(path) -> bool:

@@ -14,6 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from brickyard.errors import BrickyardError, DataError
+from brickyard.files import write_atomic
 from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
 from brickyard.training import checkpoint as ckpt
@@ -117,7 +118,7 @@ def write(result: dict, names: list[str], outputs, fmt: str, out: Path | None) -
     if fmt == "npz":
         if out is None:
             raise BrickyardError("--format npz needs --out FILE.npz.")
-        np.savez(out, inputs=np.array(names), **{k: v.numpy() for k, v in result.items()})
+        write_atomic(out, lambda f: np.savez(f, inputs=np.array(names), **{k: v.numpy() for k, v in result.items()}))
         return None
     doc = {
         "inputs": names,
@@ -128,6 +129,6 @@ def write(result: dict, names: list[str], outputs, fmt: str, out: Path | None) -
     }
     text = json.dumps(doc)
     if out is not None:
-        Path(out).write_text(text + "\n")
+        write_atomic(out, text + "\n")
         return None
     return text

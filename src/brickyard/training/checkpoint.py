@@ -1,16 +1,21 @@
-"""Checkpoints: written atomically, loaded without executing code, validated against the model.
+"""Checkpoints: one owner of what a checkpoint holds, how it is written, verified and restored.
 
-A checkpoint is a dict of tensors and plain Python values, saved with ``torch.save`` to a
-temporary file in the same folder, fsync'd and renamed over the target, so a crash in the middle
-of a save never leaves a broken ``step-*.pt``. ``torch.load(weights_only=True)`` refuses any
-pickled object other than tensors and plain containers, so a checkpoint cannot run code.
+``Checkpoints`` is that owner: ``state(run)`` is what a checkpoint holds (weights, optimiser, scaler,
+RNG, callbacks' state, the best metric, the step, the config and the model's metadata);
+``save(run, metric)`` writes ``step-N.pt`` (and ``best.pt`` when the metric is the best so far) and
+rotates old steps away; ``find(resume, ...)`` picks the checkpoint a run continues from, and
+``restore(run, ...)`` puts everything back. The ``Checkpointing`` callback only decides when.
+
+A checkpoint is a dict of tensors and plain Python values in ``torch.save``'s zip format, written
+through ``brickyard.files.write_atomic`` (a temporary beside the target, fsync, rename), so a crash in
+the middle of a save never leaves a broken ``step-*.pt``. Reading verifies every member against the
+CRC-32 the zip format stores (``torch.load`` does not), so a flipped byte on a disk or in a copy is
+refused by name instead of loading as slightly different weights; ``torch.load(weights_only=True)``
+refuses any pickled object other than tensors and plain containers, so a checkpoint cannot run code.
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -18,29 +23,28 @@ from pathlib import Path
 import torch
 
 from brickyard import models
-from brickyard.config import Config, build
+from brickyard.config import Config, build, check_resumable
+from brickyard.distributed import fsdp
+from brickyard.distributed import process as dist
 from brickyard.errors import CheckpointError
+from brickyard.files import copy_atomic, write_atomic
 
 _STEP = re.compile(r"^step-(\d+)\.pt$")
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    write_atomic(path, lambda f: torch.save(state, f))
+
+
+def _damaged_member(path: Path) -> str | None:
+    """The first member of the zip whose data does not match its stored CRC-32 (or that cannot be read)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"({e})"
+    except Exception as e:  # noqa: BLE001  zipfile raises zlib errors and others on damaged data
+        return f"({type(e).__name__})"
 
 
 def read(path: str | Path, what: str = "checkpoint"):
@@ -52,6 +56,10 @@ def read(path: str | Path, what: str = "checkpoint"):
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{what} {path} cannot be read: it is not a file written by torch.save "
                               f"(another format, or cut short).")
+    bad = _damaged_member(path)
+    if bad is not None:
+        raise CheckpointError(f"{what} {path} is damaged: {bad} does not match the checksum written with it "
+                              f"(a bad disk, or a copy cut short or altered).")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -105,33 +113,114 @@ def check_model(state: dict, model: torch.nn.Module, path: Path) -> None:
             raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(theirs[k].shape)}, the model expects {tuple(v.shape)}.")
 
 
-class CheckpointManager:
-    """Saves ``step-N.pt`` files, keeps the last ``keep_last`` and a copy of the best as ``best.pt``."""
+class Checkpoints:
+    """The one owner of a run's checkpoints (see the module docstring). Every rank has one; only the
+    one with ``write`` (rank 0) touches files. Under FSDP every rank gathers the state, rank 0 writes it."""
 
-    def __init__(self, folder: Path, keep_last: int, keep_best: bool):
-        self.folder, self.keep_last, self.keep_best = folder, keep_last, keep_best
+    def __init__(self, folder: Path, keep_last: int, keep_best: bool, write: bool, guard=None):
+        self.folder, self.keep_last, self.keep_best, self.write = Path(folder), keep_last, keep_best, write
+        self.guard = guard            # run -> None, raises on non-finite weights (``training.step.guard``)
         self.best_metric: float | None = None
+
+    # what a checkpoint holds
+
+    def state(self, run) -> dict:
+        data, e = run.data, run._engine
+        model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)  # FSDP: gathered on every rank
+        return {
+            "model": model_state, "optimizer": optimizer_state, "scaler": e.scaler.state_dict(),
+            "rng": rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
+            "best_metric": self.best_metric, "config": run.config.to_dict(),
+            "boost": e.update.state_dict(), "callbacks": e.callbacks.state_dict(),
+            "meta": {**e.meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
+                     "image_size": list(data.image_size), "in_channels": data.in_channels,
+                     "num_classes": data.num_classes, "data": data.name},
+        }
+
+    def restore(self, run, path: Path, state: dict) -> None:
+        """Weights, optimiser, scaler, RNG, callbacks' state, the best metric and the step of ``state``; a
+        model that does not fit, or a config that would change the run (``config.check_resumable``, what
+        ``--resume auto`` checks against ``config.yaml``), is refused first."""
+        check_model(state, run.model, path)
+        if isinstance(state.get("config"), dict):
+            check_resumable(state["config"], run.config, f"the checkpoint {path}")
+        fsdp.load_model_state(run.model, state["model"])
+        try:
+            fsdp.load_optimizer_state(run.optimizer, state["optimizer"])
+        except (ValueError, KeyError, IndexError) as err:
+            raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({err}).") from None
+        e = run._engine
+        if state.get("scaler"):
+            e.scaler.load_state_dict(state["scaler"])
+        if state.get("boost"):
+            e.update.load_state_dict(state["boost"])
+        e.callbacks.load_state_dict(state.get("callbacks") or {})
+        set_rng_state(state["rng"], run.device)
+        run.step = int(state["step"])
+        self.best_metric = state.get("best_metric")
+        run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
+
+    # writing
 
     def improves(self, metric: float) -> bool:
         return self.keep_best and (self.best_metric is None or metric > self.best_metric)
 
-    def save(self, state: dict, step: int, metric: float | None = None, best_state: dict | None = None) -> Path:
-        """Write ``step-N.pt``; when ``metric`` is the best so far, also ``best.pt`` (``best_state`` if
-        given, e.g. averaged weights, else a copy of the step's file). Call ``improves`` and record the
-        metric in ``state`` first, so the saved ``best_metric`` includes this one."""
-        path = self.folder / f"step-{step:07d}.pt"
+    def save(self, run, metric: float | None = None) -> Path | None:
+        """Write ``step-N.pt`` for ``run.step``; when ``metric`` (higher is better) is the best so far, also
+        ``best.pt``, with the evaluated weights (EMA's averages where a callback swaps them in). Collective
+        under FSDP: every rank calls it. Returns the path written (rank 0), else None."""
+        if self.guard is not None:
+            self.guard(run)  # no non-finite weights are saved
+        sharded = run._engine.sharded
+        if not self.write and not sharded:
+            return None
+        improves = metric is not None and self.write and self.improves(metric)
+        if sharded:  # rank 0 keeps the best metric; the others gather what it will write
+            improves = dist.broadcast_object(improves)
+        best = None
+        if improves:
+            self.best_metric = metric  # recorded in the state, so a resumed run compares with it
+            if run.swaps_eval_weights:
+                with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
+                    best = self.state(run)
+                    best["model"] = {k: v.detach().clone() for k, v in best["model"].items()}
+        state = self.state(run)
+        if not self.write:
+            return None
+        path = self.folder / f"step-{run.step:07d}.pt"
         save_atomic(state, path)
-        if metric is not None and self.keep_best and (self.best_metric is None or metric >= self.best_metric):
-            self.best_metric = metric
-            if best_state is not None:
-                save_atomic(best_state, self.folder / "best.pt")
+        if improves:
+            if best is not None:
+                save_atomic(best, self.folder / "best.pt")
             else:
-                tmp = self.folder / ".best.pt.tmp"
-                shutil.copyfile(path, tmp)
-                os.replace(tmp, self.folder / "best.pt")
+                copy_atomic(path, self.folder / "best.pt")
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
         return path
+
+
+def find(resume: str, folder: Path, warn, info) -> tuple[Path, dict] | None:
+    """The checkpoint a run continues from: the file ``resume`` names, or for ``auto`` the newest one in
+    ``folder`` that verifies, a damaged one named through ``warn`` and skipped."""
+    if resume != "auto":
+        return Path(resume), load(resume)
+    found = newest_valid(folder, warn)
+    if found is None:
+        info(f"no checkpoint in {folder}; starting from scratch")
+    return found
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def pick(path: Path) -> Path:

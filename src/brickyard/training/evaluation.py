@@ -13,7 +13,7 @@ from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
 from brickyard.observe.plots import plot_runs
-from brickyard.observe.runlog import write_json
+from brickyard.files import write_atomic, write_json
 from brickyard.training import device as dev
 
 
@@ -85,8 +85,9 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip())
         if run.is_main and "errors" in r:
             wrong_images, true, pred = r["errors"]
-            torch.save({"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
-                        "mean": list(data.mean), "std": list(data.std)}, run.run_dir / "test_errors.pt")
+            errors = {"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
+                      "mean": list(data.mean), "std": list(data.std)}
+            write_atomic(run.run_dir / "test_errors.pt", lambda f: torch.save(errors, f))
     summary.update(
         train_seconds=round(e.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(e.images / max(e.train_seconds, 1e-9), 1), device=str(run.device),

@@ -1,4 +1,4 @@
-"""What a run does when PyTorch fails: out of memory, a determinism refusal, a lost peer; and RNG state.
+"""What a run does when PyTorch fails: out of memory, a determinism refusal, a lost peer.
 
 ``explain`` turns the ``RuntimeError`` a training process meets into the one sentence a user reads,
 or re-raises it when it is a bug of ours (a traceback is then the right answer).
@@ -64,16 +64,3 @@ def determinism_error(e: BaseException, device: torch.device) -> str | None:
         return (f"train.deterministic on {device} needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the "
                 f"process starts (`brickyard train` sets it; set it yourself when calling brickyard from Python).")
     return None
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)

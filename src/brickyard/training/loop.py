@@ -28,16 +28,16 @@ import torch
 from torch import nn
 
 from brickyard.callbacks import from_config
-from brickyard.config import Config, save_config
+from brickyard.config import Config
 from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
-from brickyard.distributed import fsdp
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, CheckpointError
+from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
-from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record, refuse_reuse, write_json
+from brickyard.files import write_json
+from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record
 from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
@@ -45,6 +45,7 @@ from brickyard.training import device as dev
 from brickyard.training import failures, setup
 from brickyard.training.evaluation import evaluate, evaluate_split, finish
 from brickyard.training.run import Request, Run
+from brickyard.training.rundir import RunDir
 from brickyard.training.step import optimizer_step
 
 __all__ = ["train", "evaluate", "Interrupted"]
@@ -182,17 +183,23 @@ def _torch_flags():
 def _run_in(req: Request, host: dev.Host) -> dict:
     """The run inside its directory: logs and metrics opened, failures turned into one sentence."""
     info, run_dir = req.info, req.run_dir
-    if info.is_main and not req.resume and info.restart_count == 0:
-        refuse_reuse(run_dir)  # before anything in it is opened
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    rundir = RunDir(run_dir, info.is_main)
+    rundir.lock(req.resume, info.restart_count > 0)  # until this process ends the run: one writer per directory
+    try:
+        return _logged(req, host, rundir)
+    finally:
+        rundir.unlock()
+
+
+def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
+    info, run_dir = req.info, req.run_dir
     log_dir = Path(req.log_dir) if req.log_dir else run_dir / "logs"
     log = Logger(info.rank, tuple([log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
     heartbeat = None
     try:
         heartbeat = dist.Heartbeat(info)
-        return _train(req, host, log, metrics)
+        return _train(req, host, log, metrics, rundir)
     except BrickyardError as e:
         log.error(str(e))
         raise
@@ -205,24 +212,31 @@ def _run_in(req: Request, host: dev.Host) -> dict:
         log.close()
 
 
-def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter) -> dict:
+def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, rundir: RunDir) -> dict:
     cfg, info, run_dir, meta = req.config, req.info, req.run_dir, req.meta
     if req.resume and cfg.dist.mode == "ps":
         raise BrickyardError(ps.NO_RESUME)
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
         cfg = req.config = setup.resolve_auto_batch(cfg, req.model, req.data, host.device, info, log)
+    found = ckpt.find(req.resume, run_dir / "checkpoints", log.warning, log.info) if req.resume else None
+    if req.resume and req.resume != "auto":
+        rundir.check_resume_file(req.resume)  # once the file is known to be a checkpoint
     run = setup.build_run(req, host, log)
     e = run._engine
     e.rss_at_start_mb = req.rss_at_start_mb
     if e.update is None:  # a parameter server: it serves until the trainers are done
         return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
-    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + req.callbacks, _checkpoint_state)
-    _restore(run, cbs, req.resume)
+    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + req.callbacks)
+    if found:
+        e.checkpoints.restore(run, *found)
+    if req.resume or info.restart_count:
+        for line in rundir.repair(run.step):  # after a crash: nothing past the resumed step, no temporaries
+            log.info(line)
     setup.wrap(run)
     if info.is_main:
-        save_config(cfg, run_dir / "config.yaml")
+        rundir.save_config(cfg)
         write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
             "precision": run.precision, "channels_last": e.channels_last, "threads": host.threads,
             "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": e.grad_sync.name,
@@ -245,56 +259,3 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter) ->
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
-
-
-def _checkpoint_state(run: Run) -> dict:
-    data, e = run.data, run._engine
-    meta, manager = e.meta, e.checkpoints
-    model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)  # FSDP: gathered on every rank
-    return {
-        "model": model_state, "optimizer": optimizer_state, "scaler": e.scaler.state_dict(),
-        "rng": failures.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
-        "best_metric": manager.best_metric if manager else None, "config": run.config.to_dict(),
-        "boost": e.update.state_dict(), "callbacks": e.callbacks.state_dict(),
-        "meta": {**meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
-                 "image_size": list(data.image_size), "in_channels": data.in_channels,
-                 "num_classes": data.num_classes, "data": data.name},
-    }
-
-
-def _restore(run: Run, cbs, resume: str | None) -> None:
-    """Continue from a checkpoint: weights, optimiser, scaler, RNG, callbacks' state and the step."""
-    if not resume:
-        return
-    found = _resume_state(resume, run.run_dir, run.log)
-    if found is None:
-        return
-    path, state = found
-    ckpt.check_model(state, run.model, path)
-    fsdp.load_model_state(run.model, state["model"])
-    try:
-        fsdp.load_optimizer_state(run.optimizer, state["optimizer"])
-    except (ValueError, KeyError, IndexError) as e:
-        raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({e}).") from None
-    e = run._engine
-    if state.get("scaler"):
-        e.scaler.load_state_dict(state["scaler"])
-    if state.get("boost"):
-        e.update.load_state_dict(state["boost"])
-    cbs.load_state_dict(state.get("callbacks") or {})
-    failures.set_rng_state(state["rng"], run.device)
-    run.step = int(state["step"])
-    if e.checkpoints is not None:
-        e.checkpoints.best_metric = state.get("best_metric")
-    run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
-
-
-def _resume_state(resume: str, run_dir: Path, log: Logger):
-    if resume == "auto":
-        found = ckpt.newest_valid(run_dir / "checkpoints", log.warning)
-        if found is None:
-            log.info(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
-        return found
-    return Path(resume), ckpt.load(resume)
-
-

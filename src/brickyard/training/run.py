@@ -63,7 +63,7 @@ class Engine:
     vote: Any = None                  # the ranks' agreement on a stop step (``distributed.process.StopVote``)
     totals: Any = None                # training loss and accuracy sums on the device (``training.step.Totals``)
     callbacks: Any = None             # ``callbacks.base.CallbackList``
-    checkpoints: Any = None           # ``training.checkpoint.CheckpointManager`` (rank 0) or None
+    checkpoints: Any = None           # ``training.checkpoint.Checkpoints``: what is saved, how it is restored
     stop_request: str | None = None   # a reason, until the ranks agree on it
     data_wait: float = 0.0            # seconds waiting for batches in the current log window
     batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch: the NaN guard, P-BFGS

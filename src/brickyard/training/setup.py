@@ -154,15 +154,15 @@ def _check_image_features(cfg, data) -> None:
         raise BrickyardError(f"data.augment: {cfg.data.augment!r} works on images (N x C x H x W); these inputs are N x {shape}.")
 
 
-def callbacks_for(run: Run, metrics, tb, extra, checkpoint_state) -> CallbackList:
+def callbacks_for(run: Run, metrics, tb, extra) -> CallbackList:
     """brickyard's behaviours, then the config's built-ins and the user's callbacks, in one list. The
     order is part of the contract: ``ProgressLog`` sets ``run.train_loss`` before ``NotLearning`` reads
     it, and checkpoints are written before a user's ``on_epoch_end`` sees ``run.last_checkpoint``."""
     t, c, e = run.config.train, run.config.checkpoint, run._engine
-    e.checkpoints = ckpt.CheckpointManager(run.run_dir / "checkpoints", c.keep_last, c.keep_best) if run.is_main else None
+    e.checkpoints = ckpt.Checkpoints(run.run_dir / "checkpoints", c.keep_last, c.keep_best, run.is_main, guard)
     hint = None if run.data.in_memory else "try more data.num_workers"
     own = [ProgressLog(run, metrics, tb, hint, guard), NotLearning(stop=t.stop_if_not_learning),
-           Checkpointing(e.checkpoints, c.every_steps, c.every_epoch, checkpoint_state, guard)]
+           Checkpointing(e.checkpoints, c.every_steps, c.every_epoch)]
     if t.watch:
         own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
     if t.test_every:

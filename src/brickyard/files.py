@@ -1,0 +1,129 @@
+"""Every file brickyard writes, written one way: whole or not at all, never through a planted link.
+
+``write_atomic(path, data)`` makes a temporary file with ``mkstemp`` in the target's own folder (a
+new name that cannot exist yet, opened with ``O_EXCL``, so a symbolic link planted at any name is
+never followed), writes and fsyncs it, gives it the permissions the umask allows (``mkstemp``'s
+0600 would hide a shared cache from its other users), renames it over the target and fsyncs the
+folder. A crash, a full disk or a file-size limit at any point leaves the old file as it was and at
+most a temporary ``.NAME.XXXXXXXX.tmp`` beside it, which ``remove_stale_temps`` takes away on the
+next start of that run.
+
+What this does not promise: two processes writing the same target both succeed and the last rename
+wins (a run directory has one writer: ``training.rundir.RunDir``'s lock), and a file appended line
+by line (``metrics.jsonl``, logs) can end in a cut line after a crash (``RunDir.repair_metrics``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+Writer = Callable[[BinaryIO], object]
+
+# mkstemp's names: the prefix, eight characters of its alphabet, the suffix
+_TEMP = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (``/proc``), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def file_mode() -> int:
+    """What ``open(path, "w")`` would give a new file: 0666 less the umask."""
+    return 0o666 & ~umask()
+
+
+def write_atomic(path: str | Path, data: bytes | str | Writer) -> Path:
+    """Replace ``path`` with ``data`` (bytes, text, or a function that writes to a binary file) in one
+    step; see the module docstring. An ``OSError`` (no space, a size limit, no permission) leaves the
+    old file and no temporary behind and is raised naming ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), file_mode())
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a write error names no file: say which one (the CLI prints "PATH: reason")
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+    return path
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder, so that a rename in it survives a power cut (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | Path, obj) -> Path:
+    return write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_if_changed(path: str | Path, text: str) -> bool:
+    """Write ``text`` atomically unless ``path`` already holds exactly it; True when it wrote."""
+    path = Path(path)
+    try:
+        if path.is_file() and not path.is_symlink() and path.read_bytes() == text.encode():
+            return False
+    except OSError:
+        pass
+    write_atomic(path, text)
+    return True
+
+
+def copy_atomic(source: str | Path, target: str | Path) -> Path:
+    """A copy of ``source`` that appears at ``target`` whole or not at all."""
+    def copy(f):
+        with open(source, "rb") as src:
+            while chunk := src.read(1 << 22):
+                f.write(chunk)
+    return write_atomic(target, copy)
+
+
+def remove_stale_temps(folder: Path, targets: Callable[[str], bool]) -> list[Path]:
+    """Remove the temporaries ``write_atomic`` left in ``folder`` (a crash between mkstemp and rename)
+    for the files ``targets(name)`` says are brickyard's. Only plain files of that exact name shape go;
+    call it only while holding the folder's lock (a live writer's temporary looks the same)."""
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        m = _TEMP.match(p.name)
+        if m and targets(m.group("target")) and p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
