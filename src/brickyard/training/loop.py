@@ -236,6 +236,7 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
             log.info(line)
     setup.wrap(run)
     if info.is_main:
+        rundir.claim()
         rundir.save_config(cfg)
         write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
             "precision": run.precision, "channels_last": e.channels_last, "threads": host.threads,

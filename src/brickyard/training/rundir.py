@@ -52,8 +52,7 @@ class RunDir:
 
     def lock(self, resume: str | None, restarting: bool) -> None:
         """Take the directory for this process (or raise naming the process that has it), then check that
-        this run may start here (``check_start``); the lock file names this process only after that, so a
-        refused start changes nothing in the directory."""
+        this run may start here (``check_start``)."""
         if not self.owner:
             return
         self._take()
@@ -62,9 +61,14 @@ class RunDir:
         except BaseException:
             self.unlock()
             raise
-        who = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300]}
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, (json.dumps(who) + "\n").encode(), 0)
+
+    def claim(self) -> None:
+        """Write this process into the lock file, once the run has started (a start refused before then
+        changes nothing in the directory): what a second process on another host is told."""
+        if self._fd is not None:
+            who = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300]}
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (json.dumps(who) + "\n").encode(), 0)
 
     def _take(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -161,6 +165,20 @@ class RunDir:
 
 
 def _read_holder(fd: int) -> str:
+    """Who holds the lock on ``fd``'s file: this machine's kernel knows (``/proc/locks``); else what the
+    holder wrote into the file when its run started (another host sharing the folder)."""
+    try:
+        inode = os.fstat(fd).st_ino
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(inode):
+                    pid = int(parts[4])
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        command = c.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+                    return f"process {pid} on this machine ({command})"
+    except (OSError, ValueError):
+        pass
     try:
         who = json.loads(os.pread(fd, 4096, 0).decode())
         return f"process {int(who['pid'])} on {who['host']} ({who['command']})"
