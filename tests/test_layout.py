@@ -86,3 +86,42 @@ def test_tests_mirror_the_package():
     folders = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     mirrored = {p.name for p in tests.iterdir() if p.is_dir() and list(p.glob("test_*.py"))}
     assert mirrored <= folders, f"test folders with no package folder: {sorted(mirrored - folders)}"
+
+
+# the package's folders (and top-level modules) from the foundations up: each imports only what comes
+# before it, at the top of a module or inside a function alike, so the layers read one way
+LAYERS = ("errors", "files", "config", "optim", "data", "models", "distributed", "observe", "callbacks", "boost",
+          "training", "tools", "api", "launch", "cli", "__main__")
+
+
+def _layer_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_folders_depend_one_way():
+    assert {p.stem if p.is_file() else p.name for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} \
+        - {"__init__"} == set(LAYERS), "a new folder or top-level module: give it its place in LAYERS"
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = []
+    for path in SRC.rglob("*.py"):
+        mod = module_name(path)
+        here = _layer_of(mod)
+        if here == "__init__":
+            continue  # `import brickyard` itself: the lazy public names
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"brickyard.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module == "brickyard" \
+                else [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                if name.startswith("brickyard.") and rank.get(_layer_of(name), -1) > rank[here]:
+                    upward.append(f"{path.relative_to(SRC)}:{node.lineno} ({here}) imports {name}")
+    assert not upward, "imports against the layers: " + "; ".join(upward)
+
+
+def test_callbacks_see_the_public_run_only():
+    """brickyard's own behaviours use the contract a user's callback has: nothing under callbacks/,
+    boost/ or observe/ reads or writes the run's private engine."""
+    reaching = [f"{p.relative_to(SRC)}:{n.lineno}" for folder in ("callbacks", "boost", "observe")
+                for p in (SRC / folder).rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+                if isinstance(n, ast.Attribute) and n.attr == "_engine"]
+    assert not reaching, "private engine state used at " + ", ".join(reaching)

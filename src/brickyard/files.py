@@ -11,6 +11,11 @@ next start of that run.
 What this does not promise: two processes writing the same target both succeed and the last rename
 wins (a run directory has one writer: ``training.rundir.RunDir``'s lock), and a file appended line
 by line (``metrics.jsonl``, logs) can end in a cut line after a crash (``RunDir.repair_metrics``).
+
+Files of tensors (checkpoints, snapshots, subspaces) are written by ``write_torch`` and read back by
+``read_torch``, which verifies every member of ``torch.save``'s zip against the CRC-32 stored with it
+(``torch.load`` does not: a flipped byte in a tensor loads as a slightly different weight) and loads
+with ``weights_only=True``, so a file cannot run code.
 """
 from __future__ import annotations
 
@@ -18,8 +23,12 @@ import json
 import os
 import re
 import tempfile
+import warnings
+import zipfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from brickyard.errors import CheckpointError
 
 Writer = Callable[[BinaryIO], object]
 
@@ -127,3 +136,45 @@ def remove_stale_temps(folder: Path, targets: Callable[[str], bool]) -> list[Pat
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
+
+
+def write_torch(obj, path: str | Path) -> Path:
+    """``torch.save(obj)`` to ``path``, atomically (``write_atomic``)."""
+    import torch  # lazy: this module is imported by the command line, which starts without torch
+    return write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def _damaged_member(path: Path) -> str | None:
+    """The first member of the zip whose data does not match its stored CRC-32 (or that cannot be read)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"({e})"
+    except Exception as e:  # noqa: BLE001  zipfile raises zlib errors and others on damaged data
+        return f"({type(e).__name__})"
+
+
+def read_torch(path: str | Path, what: str = "checkpoint"):
+    """A file written by ``torch.save``, verified and loaded weights-only on the CPU; a missing, foreign,
+    damaged or code-carrying file is a ``CheckpointError`` sentence that calls it ``what``."""
+    import torch  # lazy: this module is imported by the command line, which starts without torch
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} does not exist.")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{what} {path} cannot be read: it is not a file written by torch.save "
+                              f"(another format, or cut short).")
+    bad = _damaged_member(path)
+    if bad is not None:
+        raise CheckpointError(f"{what} {path} is damaged: {bad} does not match the checksum written with it "
+                              f"(a bad disk, or a copy cut short or altered).")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+        # torch's weights-only refusal says what it met on a line of its own
+        reason = next((x for x in lines if "unsupported" in x.lower()), lines[0])
+        raise CheckpointError(f"{what} {path} cannot be read ({reason[:160]}).") from None

@@ -13,7 +13,7 @@ import torch
 from brickyard.api import build_model
 from brickyard.config import build, load_config
 from brickyard.data import build_data
-from brickyard.tools import memory
+from brickyard.training import memory
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint
 from conftest import SYNTH, run_cli, sets

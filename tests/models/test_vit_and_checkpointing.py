@@ -10,7 +10,7 @@ from brickyard import api, models
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
 from brickyard.models.vit import auto_patch
-from brickyard.tools import memory
+from brickyard.training import memory
 from brickyard.training import activation_checkpointing as ac
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from brickyard.tools import memory
+from brickyard.training import memory
 from brickyard.api import build_model
 from brickyard.config import load_config
 from brickyard.data import build_data

@@ -13,6 +13,7 @@ from brickyard import api
 from brickyard.training import checkpoint
 from brickyard.config import load_config
 from brickyard.errors import CheckpointError, DeviceError
+from brickyard.files import write_torch
 from conftest import SYNTH, run_cli, sets
 
 DETERMINISTIC = SYNTH + ["train.deterministic=true", "train.epochs=3", "train.log_every=1",
@@ -118,7 +119,7 @@ def test_checkpoints_cannot_run_code(tmp_path):
 
 def test_a_file_torch_save_did_not_write_is_named(tmp_path):
     good = tmp_path / "good.pt"
-    checkpoint.save_atomic({"model": {"w": torch.ones(1000)}}, good)
+    write_torch({"model": {"w": torch.ones(1000)}}, good)
     cut, other = tmp_path / "cut.pt", tmp_path / "digit.png"
     cut.write_bytes(good.read_bytes()[:500])
     other.write_bytes(b"\x89PNG not a checkpoint")
@@ -130,13 +131,13 @@ def test_a_file_torch_save_did_not_write_is_named(tmp_path):
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):
     path = tmp_path / "step-0000001.pt"
-    checkpoint.save_atomic({"model": {"w": torch.ones(2)}}, path)
+    write_torch({"model": {"w": torch.ones(2)}}, path)
 
     class Boom:
         def __reduce__(self):
             raise RuntimeError("disk full")
     with pytest.raises(RuntimeError):
-        checkpoint.save_atomic({"model": {}, "x": Boom()}, path)
+        write_torch({"model": {}, "x": Boom()}, path)
     assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 

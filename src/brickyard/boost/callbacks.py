@@ -64,4 +64,6 @@ class Stage2Log(Callback):
 
     def on_loop_end(self, run):
         self._write(run, self.stats.end_epoch())  # a part epoch at the end
-        run._engine.dim_reduce = self.stats.summary(self.stats.total)  # into the summary
+
+    def summary(self, run) -> dict:
+        return {"dim_reduce": self.stats.summary(self.stats.total)}

@@ -63,8 +63,8 @@ from brickyard.distributed.flat import load_flat as set_flat
 from brickyard.errors import CheckpointError, ConfigError
 from brickyard.models import bn_state, restore_bn_state
 from brickyard.optim.updates import Update
-from brickyard.tools.memory import fmt
-from brickyard.training.checkpoint import read, save_atomic
+from brickyard.observe.metrics import fmt
+from brickyard.files import read_torch, write_torch
 
 _SNAP = re.compile(r"^snap-(\d+)\.pt$")
 
@@ -81,7 +81,7 @@ class Snapshots:
         self.folder, self.keep, self.names, self.keep_init = Path(folder), keep, names, keep_init
 
     def save(self, step: int, params) -> None:
-        save_atomic({"step": step, "names": self.names, "w": flat_params(params).float().cpu()}, self.folder / f"snap-{step:07d}.pt")
+        write_torch({"step": step, "names": self.names, "w": flat_params(params).float().cpu()}, self.folder / f"snap-{step:07d}.pt")
         rolling = [f for f in self.files() if not (self.keep_init and f.name == "snap-0000000.pt")]
         for old in rolling[:-self.keep]:
             old.unlink(missing_ok=True)
@@ -121,7 +121,7 @@ def pca_from_snapshots(folder: Path, n_components: int, names: list[str]) -> dic
         raise ConfigError(f"boost: no snapshots in {folder}; train stage 1 with boost.snapshots first.")
     rows = []
     for f in files:
-        s = read(f, "snapshot")
+        s = read_torch(f, "snapshot")
         if not isinstance(s, dict) or "w" not in s:
             raise CheckpointError(f"snapshot {f} is not a brickyard snapshot (no 'w' entry).")
         if s.get("names") != names:
@@ -131,14 +131,14 @@ def pca_from_snapshots(folder: Path, n_components: int, names: list[str]) -> dic
 
 
 def save_pca(pca: dict, path: Path) -> None:
-    save_atomic({"P": pca["P"], "names": pca["names"], "snapshots": pca.get("snapshots", 0)}, Path(path))
+    write_torch({"P": pca["P"], "names": pca["names"], "snapshots": pca.get("snapshots", 0)}, Path(path))
 
 
 def load_pca(path: Path, names: list[str], size: int) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"boost.dim_reduce.pca_path: {path} does not exist.")
-    d = read(path, "boost.dim_reduce.pca_path:")
+    d = read_torch(path, "boost.dim_reduce.pca_path:")
     if not isinstance(d, dict) or "P" not in d:
         raise CheckpointError(f"boost.dim_reduce.pca_path: {path} is not a subspace written by brickyard boost (no 'P' entry).")
     if d.get("names") != names:

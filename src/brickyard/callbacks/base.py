@@ -17,6 +17,7 @@ The hooks, in the order a run calls them::
         on_checkpoint(run, path)      after a checkpoint file is written (rank 0, which writes them)
       on_epoch_end(run)               an epoch done, or the loop stopping; after validation
     on_loop_end(run)                  the loop is over, before the test evaluation
+    summary(run) -> dict              what this callback adds to the run's summary (after the test evaluation)
     on_train_end(run, summary)
 
 Callbacks run on every rank, in the order given, after brickyard's own. ``on_validation_end`` and
@@ -65,6 +66,11 @@ class Callback:
     def on_epoch_end(self, run): pass
     def on_loop_end(self, run): pass
     def on_train_end(self, run, summary): pass
+
+    def summary(self, run) -> dict:
+        """What this callback adds to the run's summary (``summary.json``, what ``fit`` returns): plain
+        values under keys of its own. Called once on every rank, after the test evaluation."""
+        return {}
 
     @property
     def state_key(self) -> str:
@@ -116,6 +122,13 @@ class CallbackList:
                         raise  # a collective in the callback met a lost peer: the run says which
                     raise user_code_error(f"callback {type(cb).__name__}.{hook}", e) from e
         return call
+
+    def summary(self, run) -> dict:
+        out = {}
+        for cb in self.callbacks:
+            if _overrides(cb, "summary"):
+                out.update(cb.summary(run) or {})
+        return out
 
     def state_dict(self) -> dict:
         states = {cb.state_key: cb.state_dict() for cb in self.callbacks}

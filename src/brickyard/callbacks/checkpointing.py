@@ -15,10 +15,7 @@ class Checkpointing(Callback):
 
     def save(self, run, metric: float | None = None) -> None:
         self.saved_at = run.step
-        path = self.checkpoints.save(run, metric)
-        if path is not None:
-            run.last_checkpoint = path
-            run._engine.callbacks.on_checkpoint(run, path)
+        self.checkpoints.save(run, metric)  # sets run.last_checkpoint and calls on_checkpoint (rank 0)
 
     def on_step_end(self, run, loss):
         if self.every_steps and run.step % self.every_steps == 0:

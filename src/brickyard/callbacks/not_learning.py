@@ -21,10 +21,13 @@ class NotLearning(Callback):
     def __init__(self, windows: int = 3, stop: bool = False):
         self.windows, self.stop, self.streak, self.said = windows, stop, 0, None
 
+    def summary(self, run) -> dict:
+        return {"not_learning": self.said}
+
     def on_step_end(self, run, loss):
         every = run.config.train.log_every
         c = run.data.num_classes
-        if not (run.step % every == 0 or run.step == run.total_steps) or c < 2 or not run._engine.totals.classify:
+        if not (run.step % every == 0 or run.step == run.total_steps) or c < 2 or not run.meter.classifies:
             return
         if run.step < run.total_steps / 10:
             return
@@ -38,7 +41,6 @@ class NotLearning(Callback):
                      f"{run.train_loss:.3f} (chance: ln {c} = {chance_loss:.3f}) and the accuracy {acc:.3f} (chance "
                      f"{1 / c:.3f}); likely causes: a learning rate too high for this batch ({run.lr:.4g} now; try "
                      f"a lower optim.lr or a longer warm-up), ReLUs that died early, or labels that do not match the inputs")
-        run._engine.not_learning = self.said  # into the summary
         if self.stop:
             raise NotLearningError(self.said + "; stopped (train.stop_if_not_learning).")
         run.log.warning(self.said + ".")

@@ -3,7 +3,6 @@ steps only), the validation lines, ``metrics.jsonl``, TensorBoard scalars and th
 from __future__ import annotations
 
 import sys
-import time
 
 from tqdm import tqdm
 
@@ -16,7 +15,8 @@ MIN_HINT_IMAGES = 500  # fewer recent training images than this say too little t
 
 class ProgressLog(Callback):
     """Reads the training totals back every ``train.log_every`` steps (the loop's only host sync) and
-    sets ``run.train_loss`` / ``run.train_accuracy``, which callbacks after it read (``NotLearning``)."""
+    sets ``run.train_loss`` / ``run.train_accuracy``, which callbacks after it read (``NotLearning``).
+    Its windows are differences of what the loop measured (``run.meter``): images, training time, data wait."""
 
     def __init__(self, run, metrics, tb, input_bound_hint: str | None, guard):
         self.guard = guard  # the NaN guard (``training.step.guard``): before a loss is read back
@@ -27,24 +27,23 @@ class ProgressLog(Callback):
         self.plain = run.is_main and not use_bar and t.progress != "none"
         self.use_bar, self.bar = use_bar, None
         self.at_log, self.last_window = [0.0, 0.0, 0], (0.0, 0)  # rank-summed totals at the last log line; its window
-        self.window_start, self.window_count = time.perf_counter(), 0
+        self.window = (0.0, 0, 0.0)  # the meter's (train seconds, images, data wait) when the window opened
 
     def on_train_start(self, run):
         if self.use_bar:
             self.bar = tqdm(total=run.total_steps, initial=run.step, unit="step", dynamic_ncols=True, leave=False)
 
     def on_epoch_start(self, run):
-        self.window_start, self.window_count, run._engine.data_wait = time.perf_counter(), run._engine.totals.count, 0.0
-        self.epoch_start = self.window_start
+        m = run.meter
+        self.window = (m.train_seconds, m.images, m.data_wait)
 
-    def _end_window(self, run) -> tuple[float, int]:
-        """Close the window (at a log step or the end of an epoch); its seconds and images (all ranks)."""
-        now = time.perf_counter()
-        elapsed, n = now - self.window_start, (run._engine.totals.count - self.window_count) * run._engine.data_world
-        run._engine.train_seconds += elapsed  # the summary's training time and images/s
-        run._engine.images += n
-        self.window_start, self.window_count = now, run._engine.totals.count
-        return elapsed, n
+    def _end_window(self, run) -> tuple[float, int, float]:
+        """Close the window at a log step; its training seconds, images (all ranks) and data wait."""
+        m = run.meter
+        now = (m.train_seconds, m.images, m.data_wait)
+        elapsed, n, wait = (a - b for a, b in zip(now, self.window))
+        self.window = now
+        return elapsed, n, wait
 
     def on_step_end(self, run, loss):
         if self.bar is not None:
@@ -54,18 +53,17 @@ class ProgressLog(Callback):
             self._log(run)
 
     def _log(self, run) -> None:
-        now = run._engine.totals.read()  # the sync point
+        now = run.meter.read()  # the sync point
         loss_sum, correct, count = (a - b for a, b in zip(now, self.at_log))
         self.at_log[:] = now
         self.last_window = (correct, count)
-        wait, (elapsed, n) = run._engine.data_wait, self._end_window(run)
-        run._engine.data_wait = 0.0
+        elapsed, n, wait = self._end_window(run)
         ips, wait_frac = n / max(elapsed, 1e-9), wait / max(elapsed, 1e-9)
         loss = loss_sum / max(count, 1)
-        acc = correct / max(count, 1) if run._engine.totals.classify else None
+        acc = correct / max(count, 1) if run.meter.classifies else None
         run.train_loss, run.train_accuracy = loss, acc
         shown_acc = f" acc {acc:.4f}" if acc is not None else ""
-        extra = run._engine.update.describe()
+        extra = run.update_note()
         line = (f"epoch {run.epoch + 1} step {run.step - run.epoch * run.steps_per_epoch}/{run.steps_per_epoch} "
                 f"loss {loss:.4f}{shown_acc} lr {run.lr:.4g} {ips:,.0f} img/s{extra}")
         if wait_frac > INPUT_BOUND and self.hint:
@@ -77,17 +75,13 @@ class ProgressLog(Callback):
                            accuracy=acc, lr=run.lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
         self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
 
-    def on_validation_start(self, run):
-        self._end_window(run)  # evaluation is not training: it stays out of train_seconds and images/s
-
     def on_validation_end(self, run, r):
-        self.window_start = time.perf_counter()
         # like with like: the training accuracy of the latest steps (since the last log line, else that
         # line's window), not the epoch's mean, which its first steps drag down
-        now = run._engine.totals.read()
+        now = run.meter.read()
         since = [a - b for a, b in zip(now, self.at_log)]
         correct, count = (since[1], since[2]) if since[2] > 0 else self.last_window
-        train_acc = correct / max(count, 1) if run._engine.totals.classify and count else None
+        train_acc = correct / max(count, 1) if run.meter.classifies and count else None
         epoch = round(run.step / run.steps_per_epoch, 4)
         hint = None
         if r["accuracy"] is not None and train_acc is not None:
@@ -102,15 +96,11 @@ class ProgressLog(Callback):
         self.tb.scalars(run.step, "val", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
 
     def on_epoch_end(self, run):
-        self._end_window(run)
-        seconds = round(time.perf_counter() - self.epoch_start, 3)  # training, validation and the stop agreement
-        run._engine.epoch_seconds.append(seconds)
+        seconds = run.meter.epoch_seconds[-1]  # training, validation and the stop agreement
         epoch = round(run.step / run.steps_per_epoch, 4)
         self.metrics.write(kind="epoch", step=run.step, epoch=epoch, seconds=seconds)
         run.log.info(f"epoch {epoch:g} took {seconds:.1f} s", console=self.plain)
 
     def on_loop_end(self, run):
-        if run.step % run.steps_per_epoch:
-            self._end_window(run)  # a stop in the middle of an epoch
         if self.bar is not None:
             self.bar.close()

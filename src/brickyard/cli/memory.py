@@ -25,7 +25,7 @@ def run(args) -> int:
 
     from brickyard import api
     from brickyard.data import build_data
-    from brickyard.tools import memory as mem
+    from brickyard.training import memory as mem
     nproc, kind, _ = launch.parse_devices(args.devices)
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     data = build_data(cfg.data)

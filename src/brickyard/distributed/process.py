@@ -10,13 +10,14 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
 from brickyard.distributed.env import DistInfo, from_env  # noqa: F401  (re-exported: dist.from_env())
 from brickyard.errors import RendezvousError
-from brickyard.launch import nodes
+from brickyard.distributed import network
 
 
 def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> bool:
@@ -32,7 +33,7 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
     if info.master is not None:  # Slurm without MASTER_ADDR: rank 0's node from the node list
         os.environ.setdefault("MASTER_ADDR", info.master[0])
         os.environ.setdefault("MASTER_PORT", str(info.master[1]))
-        nodes.use_interface(nodes.route_to(*info.master)[1])
+        network.use_interface(network.route_to(*info.master)[1])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
         # group can read the dead workers' addresses and fail to connect
@@ -132,6 +133,15 @@ def _job_store(info: DistInfo):
         return None
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Why a run ends early: ``kind`` "signal" (SIGINT, SIGTERM: a checkpoint, then exit code 130) or
+    "request" (a callback's ``run.stop``, a time limit, early stopping: the test evaluation and the
+    summary follow); ``reason`` is what the log and the summary say ("SIGTERM to rank 1")."""
+    kind: str
+    reason: str
+
+
 class StopVote:
     """Every rank stops on a signal at the same step, so rank 0 can save and nobody waits on a collective.
 
@@ -143,32 +153,42 @@ class StopVote:
     ``every`` steps; one process stops at once, as before.
     """
 
-    def __init__(self, info: DistInfo, every: int = 10):
+    def __init__(self, info: DistInfo, every: int = 10, warn=None):
         self.every, self.store, self.rank = every, _job_store(info), info.rank
         self.key = f"brickyard/stop/{info.restart_count}"
-        self.at, self.cause = None, None  # the agreed step; "SIGTERM to rank 1"
+        self.at, self.agreed = None, None  # the agreed step and ``Stop`` ("SIGTERM to rank 1")
+        self.warn, self.ignored = warn, False
 
-    def should_stop(self, step: int, signal_name: str | None) -> bool:
-        """Call after every step with this process's reason to stop, if any (a signal's name, a callback's reason)."""
+    def should_stop(self, step: int, request: Stop | None) -> Stop | None:
+        """Call after every step with this process's request to stop, if any; the agreed ``Stop`` once due."""
         if self.store is None:
-            self.cause = signal_name
-            return signal_name is not None
+            return request
         if self.at is None and step % self.every == 0:
-            if signal_name is not None:
-                proposal = f"{step + self.every}|{self.rank}|{signal_name}"
+            if request is not None:
+                proposal = f"{step + self.every}|{self.rank}|{request.kind}|{request.reason}"
                 self._agree(self.store.compare_set(self.key, "", proposal))
             elif self.store.check([self.key]):
                 self._agree(self.store.get(self.key))
         if self.at is not None and step >= self.at:
-            self.cause = signal_name or self.cause  # this process's own signal says it best
-            return True
-        return False
+            return request or self.agreed  # this process's own request says it best
+        return None
 
     def _agree(self, value: bytes) -> None:
-        at, rank, name = value.decode().split("|", 2)
-        if int(rank) != self.rank:
-            name = f"{name} to rank {rank}" if name.startswith("SIG") else f"{name} (rank {rank})"
-        self.at, self.cause = int(at), name
+        """Take the proposal in the store; one that is not of brickyard's form (anyone on the network
+        can write to torch's store) is ignored and said once."""
+        try:
+            at, rank, kind, reason = value.decode().split("|", 3)
+            at, rank = int(at), int(rank)
+            if kind not in ("signal", "request") or not 0 < at < 2**62:
+                raise ValueError(kind)
+        except (ValueError, UnicodeDecodeError):
+            if not self.ignored and self.warn is not None:
+                self.warn(f"ignored a stop request in the job's store that brickyard did not write: {value[:80]!r}")
+            self.ignored = True
+            return
+        if rank != self.rank:
+            reason = f"{reason} to rank {rank}" if kind == "signal" else f"{reason} (rank {rank})"
+        self.at, self.agreed = at, Stop(kind, reason)
 
 
 class Heartbeat:

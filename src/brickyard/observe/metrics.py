@@ -70,3 +70,11 @@ def fit_hint(train_acc: float, val_acc: float) -> str:
     if train_acc < 0.9 and gap < 0.02:
         return f"train-val gap {gap:+.3f} and train accuracy {train_acc:.3f} < 0.90: under-fitting? train longer, a larger model or a higher rate"
     return f"train-val gap {gap:+.3f}"
+
+
+def fmt(n: float) -> str:
+    """A number of bytes as people read it: 1.50 GiB, 12.00 MiB, 512 B."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"

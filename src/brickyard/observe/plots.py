@@ -16,9 +16,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from brickyard.errors import BrickyardError
-from brickyard.files import write_atomic
+from brickyard.files import read_torch, write_atomic
 from brickyard.observe.runlog import read_metrics
-from brickyard.training.checkpoint import read
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 STYLES = {"train": ((), "dot"), "val": ((6, 4), "circle"), "test": ((2, 3), "square")}  # (dash pattern, marker)
@@ -219,7 +218,7 @@ def _confusion(confusion, path: Path) -> Path:
 def _misclassified(source: Path, path: Path) -> Path:
     """One mosaic, each tile scaled up and labelled 'true>predicted'."""
 
-    e = read(source, "test errors")
+    e = read_torch(source, "test errors")
     if not isinstance(e, dict) or not {"images", "true", "pred", "classes"} <= set(e):
         raise BrickyardError(f"test errors {source} is not what a run writes there (images, true, pred, classes).")
     images, true, pred, classes = e["images"].float(), e["true"].tolist(), e["pred"].tolist(), e["classes"]

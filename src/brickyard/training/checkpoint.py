@@ -16,8 +16,6 @@ refuses any pickled object other than tensors and plain containers, so a checkpo
 from __future__ import annotations
 
 import re
-import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -27,52 +25,13 @@ from brickyard.config import Config, build, check_resumable
 from brickyard.distributed import fsdp
 from brickyard.distributed import process as dist
 from brickyard.errors import CheckpointError
-from brickyard.files import copy_atomic, write_atomic
+from brickyard.files import copy_atomic, read_torch, write_torch
 
 _STEP = re.compile(r"^step-(\d+)\.pt$")
 
 
-def save_atomic(state: dict, path: Path) -> None:
-    write_atomic(path, lambda f: torch.save(state, f))
-
-
-def _damaged_member(path: Path) -> str | None:
-    """The first member of the zip whose data does not match its stored CRC-32 (or that cannot be read)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return z.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        return f"({e})"
-    except Exception as e:  # noqa: BLE001  zipfile raises zlib errors and others on damaged data
-        return f"({type(e).__name__})"
-
-
-def read(path: str | Path, what: str = "checkpoint"):
-    """A file written by ``torch.save`` (weights only, on the CPU); a missing, foreign or damaged
-    file is a ``CheckpointError`` sentence that calls it ``what``."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist.")
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{what} {path} cannot be read: it is not a file written by torch.save "
-                              f"(another format, or cut short).")
-    bad = _damaged_member(path)
-    if bad is not None:
-        raise CheckpointError(f"{what} {path} is damaged: {bad} does not match the checksum written with it "
-                              f"(a bad disk, or a copy cut short or altered).")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
-        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
-        # torch's weights-only refusal says what it met on a line of its own
-        reason = next((x for x in lines if "unsupported" in x.lower()), lines[0])
-        raise CheckpointError(f"{what} {path} cannot be read ({reason[:160]}).") from None
-
-
 def load(path: str | Path) -> dict:
-    state = read(path)
+    state = read_torch(path)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
     return state
@@ -188,14 +147,16 @@ class Checkpoints:
         if not self.write:
             return None
         path = self.folder / f"step-{run.step:07d}.pt"
-        save_atomic(state, path)
+        write_torch(state, path)
         if improves:
             if best is not None:
-                save_atomic(best, self.folder / "best.pt")
+                write_torch(best, self.folder / "best.pt")
             else:
                 copy_atomic(path, self.folder / "best.pt")
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
+        run.last_checkpoint = path
+        run._engine.callbacks.on_checkpoint(run, path)
         return path
 
 

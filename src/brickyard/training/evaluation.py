@@ -13,7 +13,7 @@ from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
 from brickyard.observe.plots import plot_runs
-from brickyard.files import write_atomic, write_json
+from brickyard.files import write_json, write_torch
 from brickyard.training import device as dev
 
 
@@ -68,9 +68,7 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
     cfg, data, e = run.config, run.data, run._engine
     summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
                "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
-               "not_learning": e.not_learning}
-    if e.dim_reduce is not None:
-        summary["dim_reduce"] = e.dim_reduce
+               "not_learning": None}
     last_val = run.metrics if run.validated_at is not None else None
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"])
@@ -87,17 +85,18 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
             wrong_images, true, pred = r["errors"]
             errors = {"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
                       "mean": list(data.mean), "std": list(data.std)}
-            write_atomic(run.run_dir / "test_errors.pt", lambda f: torch.save(errors, f))
+            write_torch(errors, run.run_dir / "test_errors.pt")
     summary.update(
-        train_seconds=round(e.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
-        images_per_second=round(e.images / max(e.train_seconds, 1e-9), 1), device=str(run.device),
+        train_seconds=round(run.meter.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
+        images_per_second=round(run.meter.images / max(run.meter.train_seconds, 1e-9), 1), device=str(run.device),
         world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
         channels_last=e.channels_last, compiled=e.compiled, model=e.meta.get("name"), data=data.name,
         strategy="fsdp" if e.sharded else "none" if run.world_size == 1 else "ps" if cfg.dist.mode == "ps" else "ddp",
         held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
         host_rss_at_start_mb=round(e.rss_at_start_mb, 1),
-        epoch_seconds=e.epoch_seconds, run_dir=str(run.run_dir),
+        epoch_seconds=run.meter.epoch_seconds, run_dir=str(run.run_dir),
     )
+    summary.update(e.callbacks.summary(run))  # what callbacks add (NotLearning's warning, stage 2's totals)
     tb.close()
     if run.is_main:
         write_json(run.run_dir / "summary.json", summary)

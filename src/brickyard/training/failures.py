@@ -11,7 +11,7 @@ import re
 import torch
 
 from brickyard.errors import BrickyardError, is_comm_failure
-from brickyard.tools import memory
+from brickyard.training import memory
 
 
 def explain(e: BaseException, cfg, model, data, device: torch.device, info, log, heartbeat, log_dir) -> BaseException:

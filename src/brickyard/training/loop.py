@@ -56,22 +56,26 @@ class Interrupted(BrickyardError):
 
 
 def _loop(run: Run, cbs) -> None:
-    """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks."""
-    accum, e = run.config.train.grad_accum, run._engine
+    """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks. The loop
+    owns the measurements (``run.meter``): each step's result, and the clock, which runs during steps only."""
+    accum, e, meter = run.config.train.grad_accum, run._engine, run.meter
     cbs.on_train_start(run)
     while run.step < run.total_steps and run.stopped is None:
         run.epoch, pos = divmod(run.step, run.steps_per_epoch)
+        meter.start_epoch()
         cbs.on_epoch_start(run)
         batches = e.loader.epoch(run.epoch, pos * accum)
         for _ in range(pos, run.steps_per_epoch):
             cbs.on_step_start(run)
-            loss = optimizer_step(run, batches)
+            result = optimizer_step(run, batches, meter.totals)
+            meter.add(result)
             run.step += 1
-            cbs.on_step_end(run, loss)
-            if e.vote.should_stop(run.step, e.stop_request):
-                run.stopped = e.vote.cause
+            cbs.on_step_end(run, result.loss)
+            if stop := e.vote.should_stop(run.step, e.stop_request):  # polled once per step
+                e.stop, run.stopped = stop, stop.reason
             if run.stopped or run.step >= run.total_steps:
                 break
+        meter.pause()
         if run.interrupted:
             break
         if run.step % run.steps_per_epoch == 0 or run.step >= run.total_steps or run.stopped:  # an epoch ends
@@ -79,6 +83,7 @@ def _loop(run: Run, cbs) -> None:
             if _validation_due(run):
                 _validate(run, cbs)
                 _agree_on_stop(run)  # a decision on the validation metrics (early stopping)
+            meter.end_epoch()
             cbs.on_epoch_end(run)
     cbs.on_loop_end(run)
 
@@ -102,15 +107,17 @@ def _agree_on_stop(run: Run) -> None:
     decision on the shared validation metrics, or a time limit reached on one rank only). A signal is
     agreed through the engine's vote instead, so that every rank names it."""
     e = run._engine
-    request = e.stop_request if e.stop_request and not e.stop_request.startswith("SIG") else None
+    request = e.stop_request.reason if e.stop_request and e.stop_request.kind == "request" else None
     if run.stopped is not None:
         return
     if e.data_world > 1:
         flag = torch.tensor([float(request is not None)], device=run.device)
         if dist.all_reduce_sum(flag, e.group).item() > 0:
-            run.stopped = request or "a stop asked for on another rank"
+            e.stop = dist.Stop("request", request or "a stop asked for on another rank")
     elif request is not None:
-        run.stopped = request
+        e.stop = dist.Stop("request", request)
+    if e.stop is not None:
+        run.stopped = e.stop.reason
 
 
 class _StopFlag:
@@ -127,9 +134,9 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         e = self.run._engine
-        if e.stop_request is not None and e.stop_request.startswith("SIG"):
+        if e.stop_request is not None and e.stop_request.kind == "signal":
             raise KeyboardInterrupt
-        e.stop_request = signal.Signals(signum).name  # a signal outranks a callback's request
+        e.stop_request = dist.Stop("signal", signal.Signals(signum).name)  # a signal outranks a callback's request
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -222,11 +229,13 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     found = ckpt.find(req.resume, run_dir / "checkpoints", log.warning, log.info) if req.resume else None
     if req.resume and req.resume != "auto":
         rundir.check_resume_file(req.resume)  # once the file is known to be a checkpoint
-    run = setup.build_run(req, host, log)
+    plan = setup.plan(cfg, req.data, info)  # batches, steps and schedule: decided once, here
+    if plan.serves(info.rank):  # a parameter server: it serves until the trainers are done
+        setup.serve(req, host, plan, log)
+        return {}
+    run = setup.build_run(req, host, log, plan)
     e = run._engine
     e.rss_at_start_mb = req.rss_at_start_mb
-    if e.update is None:  # a parameter server: it serves until the trainers are done
-        return {}
     tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
     cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + req.callbacks)
     if found:

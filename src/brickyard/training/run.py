@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -16,6 +17,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from brickyard.distributed.process import Stop
 from brickyard.errors import BrickyardError
 
 
@@ -35,6 +37,59 @@ class Request:
     train_step: Callable | None = None
     started: float = 0.0                       # time.perf_counter() when train() began (the summary's wall time)
     rss_at_start_mb: float = 0.0               # resident memory then (the summary's peak is above it)
+
+
+@dataclass(frozen=True, eq=False)
+class StepResult:
+    """What one optimiser step returns to the loop (``training.step.optimizer_step``)."""
+    loss: torch.Tensor                # the step's mean loss (of its last micro-batch), 0-dim, on the device
+    batch: tuple                      # (x, y) of its last micro-batch: what the NaN guard searches
+    images: int                       # samples it trained on, all ranks
+    data_wait: float                  # seconds it waited for batches
+
+
+class Meter:
+    """What the loop measures as it trains, read by the reports (``ProgressLog``, the summary). The loop
+    owns it: it adds every step's result and runs the clock during the steps only (validation, the test
+    and the stop agreement stay out of ``train_seconds``). Callbacks read it; ``read()`` is a sync point."""
+
+    def __init__(self, totals):
+        self.totals = totals              # loss and accuracy sums on the device (``training.step.Totals``)
+        self.images = 0                   # samples trained on since this process started, all ranks
+        self.data_wait = 0.0              # seconds waiting for batches, likewise
+        self.epoch_seconds: list[float] = []  # each epoch's wall time: training, validation and the stop agreement
+        self.last_batch: tuple = ()       # (x, y) of the latest micro-batch
+        self._done, self._since, self._epoch_start = 0.0, None, 0.0
+
+    def start_epoch(self) -> None:
+        self._epoch_start = self._since = time.perf_counter()
+
+    def add(self, result: StepResult) -> None:
+        self.images += result.images
+        self.data_wait += result.data_wait
+        self.last_batch = result.batch
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self._done += time.perf_counter() - self._since
+            self._since = None
+
+    def end_epoch(self) -> None:
+        self.pause()
+        self.epoch_seconds.append(round(time.perf_counter() - self._epoch_start, 3))
+
+    @property
+    def train_seconds(self) -> float:
+        return self._done + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    @property
+    def classifies(self) -> bool:
+        """Whether the outputs are class scores (the accuracy means something)."""
+        return bool(self.totals.classify)
+
+    def read(self) -> list[float]:
+        """(loss sum, correct, samples) since the start, summed over the ranks: one all-reduce, a host sync."""
+        return self.totals.read()
 
 
 @dataclass(eq=False)
@@ -61,24 +116,16 @@ class Engine:
     grad_sync: Any = None             # how the ranks' gradients meet (``distributed.gradsync.GradSync``)
     loader: Any = None
     vote: Any = None                  # the ranks' agreement on a stop step (``distributed.process.StopVote``)
-    totals: Any = None                # training loss and accuracy sums on the device (``training.step.Totals``)
     callbacks: Any = None             # ``callbacks.base.CallbackList``
     checkpoints: Any = None           # ``training.checkpoint.Checkpoints``: what is saved, how it is restored
-    stop_request: str | None = None   # a reason, until the ranks agree on it
-    data_wait: float = 0.0            # seconds waiting for batches in the current log window
-    batch: tuple = ()                 # (x, y, n_global) of the latest micro-batch: the NaN guard, P-BFGS
+    stop_request: Any = None          # this process's ``distributed.process.Stop``, until the ranks agree on one
+    stop: Any = None                  # the agreed ``Stop`` (its reason is ``Run.stopped``)
     check_each_step: bool = False     # the NaN guard reads the loss every step (CPUs: no device sync)
     rss_at_start_mb: float = 0.0      # resident memory when train() began (the summary's peak is above it)
     sharded: bool = False             # FSDP: saving and evaluating are collectives every rank takes part in
     compiled: bool = False            # train.compile resolved: run.forward is torch.compile(model)
     backward_done: bool = False       # the step called ``run.backward`` itself
     batch_weight: float = 1.0         # local batch / global batch x ranks / accumulation: mean loss -> gradient weight
-    # what brickyard's behaviours report into the summary
-    train_seconds: float = 0.0        # training time, evaluation excluded (``ProgressLog``)
-    images: int = 0                   # images trained on in that time, all ranks
-    epoch_seconds: list = field(default_factory=list)
-    not_learning: str | None = None   # ``NotLearning``'s warning
-    dim_reduce: dict | None = None    # stage 2's totals (``boost.callbacks.Stage2Log``)
 
 
 @dataclass(eq=False)
@@ -107,6 +154,7 @@ class Run:
     validated_at: int | None = None   # the step of the latest validation (``metrics``)
     last_checkpoint: Path | None = None
     stopped: str | None = None        # the agreed cause once the loop is ending (``stop``, a signal)
+    meter: Meter | None = None        # what the loop measured: images, time, data wait, the loss totals
     _engine: Engine = field(default_factory=Engine, repr=False)
     _eval_weights: Callable[[], ContextManager] | None = field(default=None, repr=False)
 
@@ -116,7 +164,7 @@ class Run:
             raise BrickyardError(f"{reason} asked to stop early, but a synchronous parameter-server run cannot stop "
                                  f"before its last step yet; use dist.mode: collective.")
         if self._engine.stop_request is None:
-            self._engine.stop_request = reason
+            self._engine.stop_request = Stop("request", reason)
 
     def compute_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The run's loss (``loss_fn``, else cross-entropy with ``optim.label_smoothing``): the mean over the batch."""
@@ -143,6 +191,10 @@ class Run:
     def swaps_eval_weights(self) -> bool:
         return self._eval_weights is not None
 
+    def update_note(self) -> str:
+        """What the update strategy adds to a log line (a parameter server's wait, P-BFGS's steps); '' for an optimiser."""
+        return self._engine.update.describe()
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -150,4 +202,4 @@ class Run:
     @property
     def interrupted(self) -> bool:
         """Stopped by a signal (SIGINT, SIGTERM): the command ends with exit code 130."""
-        return bool(self.stopped) and self.stopped.startswith("SIG")
+        return self._engine.stop is not None and self._engine.stop.kind == "signal"

@@ -1,14 +1,15 @@
 """How a run is put together: the model on its device, the optimiser, the batch plan, the schedule,
 the update strategy, brickyard's behaviours as callbacks, DDP, and the lines that announce it all.
 
-Everything here runs once, before the loop; ``training.loop`` calls ``build_run``, ``callbacks_for``,
-``wrap`` and ``announce`` in that order.
+Everything here runs once, before the loop; ``training.loop`` calls ``plan`` (the frozen ``Plan``), then
+``serve`` on a parameter server, else ``build_run``, ``callbacks_for``, ``wrap`` and ``announce`` in that order.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from brickyard.callbacks.checkpointing import Checkpointing
 from brickyard.callbacks.not_learning import NotLearning
 from brickyard.callbacks.progress import ProgressLog
 from brickyard.callbacks.test_every import TestEvery
+from brickyard.config import Config
 from brickyard.callbacks.watching import Histograms, Watching
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
@@ -30,19 +32,54 @@ from brickyard.errors import BrickyardError
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.optim import OptimizerUpdate, Schedule, build_optimizer, describe_groups, param_groups
-from brickyard.tools import memory
+from brickyard.training import memory
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training.evaluation import evaluate_split
-from brickyard.training.run import Engine, Request, Run
+from brickyard.training.run import Engine, Meter, Request, Run
 from brickyard.training.step import Totals, default_step, guard, make_loss_sum
 
 
-def build_run(req: Request, host, log) -> Run:
-    """Model on its device, optimiser, batch plan, schedule and update strategy; nothing wrapped yet."""
-    cfg, model, data, run_dir, meta, info = req.config, req.model, req.data, req.run_dir, req.meta, req.info
-    loss_fn, user_step = req.loss_fn, req.train_step
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What a run will do, resolved once from the config, the data and the job before any part is built:
+    who reads data, the batch plan, the step counts and the learning-rate schedule. Everything built after
+    it reads it; nothing decides these again."""
+    config: Config
+    layout: ps.Layout | None          # dist.mode: ps: which ranks train and which serve; else None
+    data_world: int                   # processes that read data (the trainers in parameter-server mode)
+    batches: BatchPlan                # which samples each rank reads at each step (any world size, any resume)
+    steps_per_epoch: int
+    total_steps: int
+    peak_lr: float
+    schedule: Schedule                # step -> learning rate
+
+    def serves(self, rank: int) -> bool:
+        return self.layout is not None and self.layout.is_server(rank)
+
+
+def plan(cfg: Config, data, info) -> Plan:
+    t = cfg.train
+    layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
+    data_world = layout.trainers if layout is not None else info.world_size
+    g = step_batch(cfg.data, t.grad_accum, data_world)
+    batches = BatchPlan(len(data.train), max(1, g // data_world), data_world, min(info.rank, data_world - 1), t.seed,
+                        global_batch=g)
+    per_epoch = batches.steps_per_epoch // t.grad_accum
+    if per_epoch == 0:
+        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {batches.steps_per_epoch} batches in an epoch.")
+    total = math.ceil(t.epochs * per_epoch)
+    if t.max_steps:
+        total = min(total, t.max_steps) if t.epochs else t.max_steps
+    peak, schedule = _schedule(cfg, data_world, total, per_epoch)
+    return Plan(cfg, layout, data_world, batches, per_epoch, total, peak, schedule)
+
+
+def _place(req: Request, host, log):
+    """The model on its device (layout, SyncBatchNorm, activation checkpointing, FSDP) and the optimiser's
+    parameter groups: (model, channels_last, groups)."""
+    cfg, model, data, info = req.config, req.model, req.data, req.info
     t, device = cfg.train, host.device
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -61,37 +98,44 @@ def build_run(req: Request, host, log) -> Run:
     if cfg.dist.strategy == "fsdp":
         _shard(model, cfg.dist, host, info, log)
     head = find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None
-    groups = param_groups(model, cfg.optim, head, cfg.finetune.head_lr_mult)
-    layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
-    group, ps_group, data_world = None, None, info.world_size
-    if layout is not None:  # only the trainers read data; the servers hold the parameters
-        if info.distributed:
-            group = torch.distributed.new_group(list(range(layout.trainers)))
-            ps_group = ps.message_group()
-        data_world = layout.trainers
-    g = step_batch(cfg.data, t.grad_accum, data_world)
-    plan = BatchPlan(len(data.train), max(1, g // data_world), data_world, min(info.rank, data_world - 1), t.seed, global_batch=g)
-    per_epoch = plan.steps_per_epoch // t.grad_accum
-    if per_epoch == 0:
-        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {plan.steps_per_epoch} batches in an epoch.")
-    total = math.ceil(t.epochs * per_epoch)
-    if t.max_steps:
-        total = min(total, t.max_steps) if t.epochs else t.max_steps
-    peak, schedule = _schedule(cfg, data_world, total, per_epoch)
-    engine = Engine(data_world=data_world, group=group, info=info, host=host, meta=meta, channels_last=channels_last,
-                    peak_lr=peak, groups=groups, schedule=schedule, loss_sum=make_loss_sum(loss_fn, cfg.optim.label_smoothing),
-                    eval_loss_sum=make_loss_sum(loss_fn),
-                    step_fn=user_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
-                    totals=Totals(device, group), check_each_step=t.nan_guard and device.type == "cpu",
-                    sharded=fsdp.is_sharded(model))
+    return model, channels_last, param_groups(model, cfg.optim, head, cfg.finetune.head_lr_mult)
+
+
+def _ps_groups(the_plan: Plan, info):
+    """Parameter-server mode: the trainers' process group and the messages' group (every rank makes both,
+    in this order: ``new_group`` is collective); (None, None) otherwise."""
+    if the_plan.layout is None or not info.distributed:
+        return None, None
+    return torch.distributed.new_group(list(range(the_plan.layout.trainers))), ps.message_group()
+
+
+def serve(req: Request, host, the_plan: Plan, log) -> None:
+    """A parameter server's whole part in the job: hold its share of the parameters and apply the
+    trainers' pushes until they are done. No training run is built on this rank."""
+    _, _, groups = _place(req, host, log)
+    _, ps_group = _ps_groups(the_plan, req.info)
+    ps.serve([p.detach() for g in groups for p in g["params"]], the_plan.layout, req.info.rank, the_plan.config,
+             the_plan.total_steps, the_plan.schedule, log, ps_group)
+    dist.barrier()
+
+
+def build_run(req: Request, host, log, the_plan: Plan) -> Run:
+    """The parts of a training run, built once from the plan: the model on its device, optimiser, update
+    strategy, loader, loss and scaler; nothing wrapped yet (``wrap``)."""
+    cfg, data, run_dir, meta, info = req.config, req.data, req.run_dir, req.meta, req.info
+    t, device = cfg.train, host.device
+    model, channels_last, groups = _place(req, host, log)
+    group, ps_group = _ps_groups(the_plan, info)
+    engine = Engine(data_world=the_plan.data_world, group=group, info=info, host=host, meta=meta,
+                    channels_last=channels_last, peak_lr=the_plan.peak_lr, groups=groups, schedule=the_plan.schedule,
+                    loss_sum=make_loss_sum(req.loss_fn, cfg.optim.label_smoothing), eval_loss_sum=make_loss_sum(req.loss_fn),
+                    step_fn=req.train_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
+                    check_each_step=t.nan_guard and device.type == "cpu", sharded=fsdp.is_sharded(model))
     run = Run(cfg, model, build_optimizer(cfg.optim, groups), data, info.rank, info.world_size, device, host.precision,
-              run_dir, log, per_epoch, total, _engine=engine)
-    if layout is not None and layout.is_server(info.rank):
-        ps.serve([p.detach() for g in groups for p in g["params"]], layout, info.rank, cfg, total, schedule, log, ps_group)
-        dist.barrier()
-        return run  # its update stays None: this process served and is done
-    engine.update = _update_strategy(run, layout, groups, ps_group)
-    engine.loader = make_train_loader(data.train, cfg.data, device, data_world, info.rank, t.seed, t.grad_accum)
+              run_dir, log, the_plan.steps_per_epoch, the_plan.total_steps, meter=Meter(Totals(device, group)),
+              _engine=engine)
+    engine.update = _update_strategy(run, the_plan.layout, groups, ps_group)
+    engine.loader = make_train_loader(data.train, cfg.data, device, the_plan.data_world, info.rank, t.seed, t.grad_accum)
     _check_image_features(cfg, data)
     engine.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
     return run
@@ -194,7 +238,7 @@ def wrap(run: Run) -> None:
     n_params = sum(p.numel() for p in run.model.parameters())
     e.compiled = dev.resolve_compile(run.config.train.compile, run.device, n_params, run.total_steps)
     run.forward = torch.compile(model) if e.compiled else model
-    e.vote = dist.StopVote(e.info)
+    e.vote = dist.StopVote(e.info, warn=run.log.warning)
 
 
 def grad_sync(d, model: nn.Module, device: torch.device, group=None, own_cores: bool = True):

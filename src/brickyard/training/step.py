@@ -33,6 +33,7 @@ from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import is_classification
 from brickyard.optim import l1_penalty, set_lr
 from brickyard.training import device as dev
+from brickyard.training.run import StepResult
 
 
 def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
@@ -84,16 +85,18 @@ def default_step(run, batch):
     return run._engine.loss_sum(out, y) / len(y), out
 
 
-def optimizer_step(run, batches) -> torch.Tensor:
+def optimizer_step(run, batches, totals: Totals) -> StepResult:
     """Micro-batches through the step, then sync, guard, learning rate, hooks, clipping and the update;
-    returns the step's mean loss (of the last micro-batch) as a 0-dim tensor on the device."""
+    returns what the step measured: its mean loss (of the last micro-batch, a 0-dim tensor on the device),
+    that batch, the samples trained on and the time spent waiting for data. The loss sums go to ``totals``."""
     e, t = run._engine, run.config.train
+    data_wait, images = 0.0, 0
     for micro in range(t.grad_accum):
         wait = time.perf_counter()
         x, y, n_global, offset = next(batches)
-        e.data_wait += time.perf_counter() - wait
+        data_wait += time.perf_counter() - wait
         x = e.prep(x, run.step * t.grad_accum + micro, n_global, offset)
-        e.batch = (x, y, n_global)
+        batch = (x, y, n_global)
         e.batch_weight = len(y) * e.data_world / (n_global * t.grad_accum)
         last = micro == t.grad_accum - 1
         with contextlib.nullcontext() if last else e.grad_sync.skip():
@@ -108,7 +111,8 @@ def optimizer_step(run, batches) -> torch.Tensor:
                 if run.config.optim.l1:
                     weighted = weighted + run.config.optim.l1 / t.grad_accum * l1_penalty(run.optimizer.param_groups)
                 e.scaler.scale(weighted).backward()
-        e.totals.add(loss_sum, out, y)
+        totals.add(loss_sum, out, y)
+        images += len(y) * e.data_world
     e.grad_sync()
     e.callbacks.on_before_update(run)
     if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
@@ -119,9 +123,9 @@ def optimizer_step(run, batches) -> torch.Tensor:
     if t.grad_clip:
         e.scaler.unscale_(run.optimizer)
         nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], t.grad_clip)
-    e.update(run, loss_sum, e.batch)
+    e.update(run, loss_sum, batch)
     e.grad_sync.zero_grad(run.optimizer)
-    return loss_sum / len(y)
+    return StepResult(loss_sum / len(y), (x, y), images, data_wait)
 
 
 def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,6 +168,6 @@ def raise_nonfinite(run, x, y):
 
 def guard(run) -> None:
     """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
-    e = run._engine
-    if run.config.train.nan_guard and e.batch and not torch.isfinite(e.totals.loss).item():
-        raise_nonfinite(run, *e.batch[:2])
+    m = run.meter
+    if run.config.train.nan_guard and m is not None and m.last_batch and not torch.isfinite(m.totals.loss).item():
+        raise_nonfinite(run, *m.last_batch)

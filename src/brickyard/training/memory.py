@@ -27,6 +27,7 @@ from brickyard.models import find_blocks
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import device_batches
 from brickyard.errors import BrickyardError
+from brickyard.observe.metrics import fmt
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import activation_checkpointing
 from brickyard.training import device as dev
@@ -41,13 +42,6 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise BrickyardError(f"memory size {text!r}: expected a number with a unit, e.g. 16GiB, 512MiB or 8GB.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def activation_bytes(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str,
