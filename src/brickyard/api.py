@@ -20,8 +20,8 @@ from brickyard.errors import ConfigError
 from brickyard.models import pretrained
 from brickyard.models.finetune import prepare
 from brickyard.observe.logs import Logger
-from brickyard.observe.runlog import default_run_dir
 from brickyard.training import checkpoint as ckpt
+from brickyard.training.rundir import default_path
 from brickyard.training import device as dev
 from brickyard.training.evaluation import evaluate
 from brickyard.training.loop import train
@@ -87,7 +87,7 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     data = build_data(cfg.data)
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
+    run_dir = Path(run_dir) if run_dir else default_path(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True, "options": {"patch_size": cfg.model.patch_size} if cfg.model.patch_size else {}}
     ft = cfg.finetune
     if pretrained.is_named(ft.init_from) and pretrained.model_for(ft.init_from) != cfg.model.name:

@@ -43,7 +43,7 @@ def test_a_finished_run_is_not_trained_over(tmp_path):
 
 
 def test_default_run_dirs_do_not_collide(tmp_path, monkeypatch):
-    from brickyard.observe.runlog import default_run_dir
+    from brickyard.training.rundir import default_path as default_run_dir
     monkeypatch.chdir(tmp_path)
     first = default_run_dir("mnist")
     first.mkdir(parents=True)

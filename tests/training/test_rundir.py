@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from brickyard.training import checkpoint
 from brickyard.training.rundir import repair_metrics
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, have_mnist, run_cli, sets
 
 def files_of(folder: Path) -> dict:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and not p.is_symlink()}
@@ -193,8 +194,22 @@ def test_links_planted_at_temporary_names_are_never_followed(tmp_path):
     for fmt, name in (("safetensors", "m.safetensors"), ("torchscript", "m.torchscript.pt"), ("torch-export", "m.pt2")):
         r = run_cli("export", str(run), "--format", fmt, "--out", str(out / name))
         assert r.returncode == 0, r.stderr
+    # the image writers: a photo-like folder, and MNIST exported as image files
+    photos = tmp_path / "photos"
+    (photos / "train" / "00-disc").mkdir(parents=True)
+    (photos / "train" / "00-disc" / ".00000.jpg.tmp").symlink_to(victim)
+    r = run_cli("data", "make-photos", str(photos), "--classes", "2", "--per-class", "1", "1", "1", "--max-size", "64")
+    assert r.returncode == 0, r.stderr
+    if have_mnist():
+        images = tmp_path / "images"
+        (images / "train" / "0").mkdir(parents=True)
+        (images / "train" / "0" / ".00001.png.tmp").symlink_to(victim)
+        r = run_cli("data", "export", "mnist", str(images), "--limit", "2")
+        assert r.returncode == 0, r.stderr
+        assert len(list((images / "train" / "0").glob("*.png"))) == 2
     assert victim.read_text() == "keep me"
     assert (run / "checkpoints" / "best.pt").is_file() and (run / "summary.json").is_file()
+    assert (photos / "train" / "00-disc" / "00000.jpg").is_file()
 
 
 def test_a_flipped_byte_is_named_and_resume_falls_back(tmp_path):
@@ -207,7 +222,10 @@ def test_a_flipped_byte_is_named_and_resume_falls_back(tmp_path):
     at = bytes(raw).index(weights[:64]) + 1000  # inside a tensor's data: torch.load alone would not notice
     raw[at] ^= 0x10
     newest.write_bytes(bytes(raw))
-    for cmd in (["eval", str(newest)], ["export", str(newest), "--out", str(tmp_path / "m.safetensors")]):
+    image = tmp_path / "x.png"
+    Image.new("L", (28, 28)).save(image)
+    for cmd in (["eval", str(newest)], ["predict", str(newest), str(image)],
+                ["export", str(newest), "--out", str(tmp_path / "m.safetensors")]):
         r = run_cli(*cmd)
         assert r.returncode == 2 and r.stderr.startswith(f"error: checkpoint {newest} is damaged: "), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from brickyard.config import load_config
 from brickyard.errors import BrickyardError
+from brickyard.training.rundir import default_path
 
 
 def add(sub) -> None:
@@ -36,9 +37,8 @@ def run(args) -> int:
     cfg = load_config(args.config or "mnist-course", overrides)  # before torch is imported
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard import api
-    from brickyard.observe.runlog import default_run_dir
     from brickyard.training.checkpoint import step_checkpoints
-    run = Path(args.run_dir) if args.run_dir else default_run_dir(f"{cfg.preset}-dimreduce")
+    run = Path(args.run_dir) if args.run_dir else default_path(f"{cfg.preset}-dimreduce")
     stage1 = {"train.epochs": args.stage1_epochs, "boost.snapshots.enabled": True}
     if args.from_init:  # the authors' PCA includes the initial weights, where stage 2 then starts
         stage1["boost.snapshots.include_init"] = True

@@ -9,6 +9,7 @@ from brickyard.distributed import env as dist
 from brickyard.distributed import slurm
 from brickyard.errors import BrickyardError
 from brickyard.launch import torchrun as launch
+from brickyard.training.rundir import default_path
 
 EXAMPLES = """examples:
   brickyard train                                   # the default preset (mnist), best device
@@ -64,19 +65,9 @@ def run(args) -> int:
         return launch.launch(args, cfg)
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard import api
-    run_dir = args.run_dir or str(_default_run_dir(cfg))
+    run_dir = args.run_dir or str(default_path(cfg.preset))
     summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
     if dist.from_env().is_main:
         from brickyard.observe.runlog import print_result
         print_result(summary)
     return 0
-
-
-def _default_run_dir(cfg):
-    """``runs/<preset>-<timestamp>``; under srun one name for every task, from the job and step ids
-    (each task's own clock could name another folder a second later)."""
-    named = slurm.run_name(cfg.preset)
-    if named:
-        return named
-    from brickyard.observe.runlog import default_run_dir  # lazy: imports torch (cli/main.py: start-up time)
-    return default_run_dir(cfg.preset)

@@ -162,11 +162,10 @@ def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     # lazy: these import torch, and the CLI imports this module before a command runs (start-up time)
     from brickyard.data.loaders import check_readers, device_batches
-    from brickyard.observe.runlog import default_run_dir
-    from brickyard.training.rundir import RunDir
+    from brickyard.training.rundir import RunDir, default_path
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.preset)
+    run_dir = Path(args.run_dir) if args.run_dir else default_path(cfg.preset)
     if job.hosts_rendezvous():  # before any worker starts: the directory is free and may take this run
         RunDir(run_dir, owner=True).probe(args.resume, restarting=bool(job.max_restarts))
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
@@ -197,8 +196,8 @@ def launch_script(args) -> int:
     job = Job.from_args(args, args.timeout)
     run_dir = args.run_dir
     if not run_dir and job.max_restarts:  # a restarted script must find the run it resumes
-        from brickyard.observe.runlog import default_run_dir  # lazy: imports torch
-        run_dir = str(default_run_dir(script.stem))
+        from brickyard.training.rundir import default_path  # lazy: the launcher's imports stay light
+        run_dir = str(default_path(script.stem))
     if run_dir:
         os.environ["BRICKYARD_RUN_DIR"] = str(Path(run_dir).resolve())
     log_dir = args.log_dir or (Path(run_dir) / "logs" if run_dir else None)  # None: fit's RUN_DIR/logs

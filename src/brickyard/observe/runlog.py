@@ -20,16 +20,6 @@ import torch
 from brickyard import __version__
 
 
-def default_run_dir(preset: str) -> Path:
-    """``runs/PRESET-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ... when runs start within the same second."""
-    base = Path("runs") / f"{preset}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
-
-
 class MetricsWriter:
     """Appends rows to ``path`` (None: writes nothing, the other ranks). The file is opened at the first
     row, so a run that fails before it starts leaves no ``metrics.jsonl`` (which marks a directory as

@@ -37,7 +37,7 @@ from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.files import write_json
-from brickyard.observe.runlog import MetricsWriter, default_run_dir, env_record
+from brickyard.observe.runlog import MetricsWriter, env_record
 from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
@@ -45,7 +45,7 @@ from brickyard.training import device as dev
 from brickyard.training import failures, setup
 from brickyard.training.evaluation import evaluate, evaluate_split, finish
 from brickyard.training.run import Request, Run
-from brickyard.training.rundir import RunDir
+from brickyard.training.rundir import RunDir, default_path
 from brickyard.training.step import optimizer_step
 
 __all__ = ["train", "evaluate", "Interrupted"]
@@ -167,7 +167,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
             raise BrickyardError(f"rank {req.info.rank}: could not join the process group within dist.timeout_s="
                                  f"{cfg.dist.timeout_s}s ({reason}).") from None
         try:
-            req.run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_run_dir(cfg.preset))))
+            req.run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_path(cfg.preset))))
             return _run_in(req, host)
         finally:
             if created:  # a process group the caller made is theirs to end
@@ -229,7 +229,7 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     found = ckpt.find(req.resume, run_dir / "checkpoints", log.warning, log.info) if req.resume else None
     if req.resume and req.resume != "auto":
         rundir.check_resume_file(req.resume)  # once the file is known to be a checkpoint
-    plan = setup.plan(cfg, req.data, info)  # batches, steps and schedule: decided once, here
+    plan = setup.plan(cfg, req.data, info, run_dir)  # batches, steps and schedule: decided once, here
     if plan.serves(info.rank):  # a parameter server: it serves until the trainers are done
         setup.serve(req, host, plan, log)
         return {}

@@ -23,6 +23,7 @@ where the server supports it (Linux NFSv4 does; the lock is advisory either way)
 """
 from __future__ import annotations
 
+import datetime
 import fcntl
 import json
 import os
@@ -32,6 +33,7 @@ import sys
 from pathlib import Path
 
 from brickyard.config import RESOLVED_HEADER, Config, save_config
+from brickyard.distributed import slurm
 from brickyard.errors import BrickyardError
 from brickyard.files import file_mode, remove_stale_temps, write_atomic
 
@@ -39,6 +41,22 @@ LOCK = ".lock"
 # the files brickyard writes whole in a run directory and in its checkpoints/: their temporaries are ours to remove
 _OURS = re.compile(r"^(step-\d+\.pt|best\.pt|config\.yaml|env\.json|summary\.json|metrics\.jsonl|metrics\.csv|"
                    r"test_errors\.pt|[\w.-]+\.png|snap-\d+\.pt|subspace\.pt)$")
+
+
+def default_path(name: str) -> Path:
+    """The one place a run directory is named when the user names none: under srun, one name every task
+    agrees on from the job and step ids (each task's own clock could name another folder a second
+    later), ``runs/NAME-slurmJOB.STEP``; else ``runs/NAME-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ...
+    when runs start within the same second. Torch-free (the command line names it before torch loads)."""
+    named = slurm.run_name(name)
+    if named:
+        return named
+    base = Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 class RunDir:

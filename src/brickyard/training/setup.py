@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,9 +45,10 @@ from brickyard.training.step import Totals, default_step, guard, make_loss_sum
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What a run will do, resolved once from the config, the data and the job before any part is built:
-    who reads data, the batch plan, the step counts and the learning-rate schedule. Everything built after
-    it reads it; nothing decides these again."""
-    config: Config
+    the run directory, who reads data, the batch plan, the step counts and the learning-rate schedule.
+    Everything built after it reads it; nothing decides these again."""
+    config: Config                    # resolved: data.num_workers and data.batch_size "auto" are numbers here
+    run_dir: Path
     layout: ps.Layout | None          # dist.mode: ps: which ranks train and which serve; else None
     data_world: int                   # processes that read data (the trainers in parameter-server mode)
     batches: BatchPlan                # which samples each rank reads at each step (any world size, any resume)
@@ -59,7 +61,7 @@ class Plan:
         return self.layout is not None and self.layout.is_server(rank)
 
 
-def plan(cfg: Config, data, info) -> Plan:
+def plan(cfg: Config, data, info, run_dir: Path) -> Plan:
     t = cfg.train
     layout = ps.check_layout(cfg, info.world_size) if cfg.dist.mode == "ps" else None
     data_world = layout.trainers if layout is not None else info.world_size
@@ -73,7 +75,7 @@ def plan(cfg: Config, data, info) -> Plan:
     if t.max_steps:
         total = min(total, t.max_steps) if t.epochs else t.max_steps
     peak, schedule = _schedule(cfg, data_world, total, per_epoch)
-    return Plan(cfg, layout, data_world, batches, per_epoch, total, peak, schedule)
+    return Plan(cfg, Path(run_dir), layout, data_world, batches, per_epoch, total, peak, schedule)
 
 
 def _place(req: Request, host, log):
@@ -122,7 +124,7 @@ def serve(req: Request, host, the_plan: Plan, log) -> None:
 def build_run(req: Request, host, log, the_plan: Plan) -> Run:
     """The parts of a training run, built once from the plan: the model on its device, optimiser, update
     strategy, loader, loss and scaler; nothing wrapped yet (``wrap``)."""
-    cfg, data, run_dir, meta, info = req.config, req.data, req.run_dir, req.meta, req.info
+    cfg, data, run_dir, meta, info = the_plan.config, req.data, the_plan.run_dir, req.meta, req.info
     t, device = cfg.train, host.device
     model, channels_last, groups = _place(req, host, log)
     group, ps_group = _ps_groups(the_plan, info)
