@@ -23,7 +23,8 @@ def test_every_format_predicts_what_the_checkpoint_predicts(trained, tmp_path, f
     r = run_cli("export", str(trained), "--format", fmt, "--out", str(tmp_path / name))
     assert r.returncode == 0 and f"wrote {tmp_path / name}" in r.stdout, r.stderr
     want = json.loads(run_cli("predict", str(trained), str(x)).stdout)
-    got = run_cli("predict", str(tmp_path / name), str(x))
+    trust = [] if fmt == "safetensors" else ["--trust-code"]  # a program can carry code: refused without it
+    got = run_cli("predict", str(tmp_path / name), str(x), *trust)
     assert got.returncode == 0, got.stderr
     got = json.loads(got.stdout)
     assert got["predicted"] == want["predicted"]

@@ -17,6 +17,9 @@ def add(sub) -> None:
     pr.add_argument("--format", choices=("json", "npz"), default="json")
     pr.add_argument("--out", help="write to this file instead of printing")
     pr.add_argument("--device", default="cpu")
+    pr.add_argument("--trust-code", action="store_true",
+                    help="load a TorchScript or .pt2 program, which can run code it brings: only files from a source you "
+                         "trust (checkpoints and safetensors files hold weights only and need no trust)")
 
 
 def run(args) -> int:
@@ -25,12 +28,12 @@ def run(args) -> int:
     from brickyard.tools.export import is_exported, load_exported
     from brickyard.tools.predict import load_inputs, predict, write
     if is_exported(args.checkpoint):
-        _, meta = load_exported(args.checkpoint)
+        _, meta = load_exported(args.checkpoint, args.trust_code)
     else:
         meta = load_checkpoint_model(args.checkpoint)[1]["meta"]
     outputs = [o for o in args.outputs.split(",") if o]
     x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
-    result = predict(args.checkpoint, x, outputs, args.device)
+    result = predict(args.checkpoint, x, outputs, args.device, trust_code=args.trust_code)
     text = write(result, names, outputs, args.format, Path(args.out) if args.out else None)
     if text:
         print(text)

@@ -36,13 +36,50 @@ def list_presets() -> dict[str, str]:
     return out
 
 
+# what a config may hold: far more than any real one, far less than what hangs or overflows the stack
+MAX_BYTES, MAX_VALUES, MAX_DEPTH, MAX_BASES = 1 << 20, 100_000, 32, 16
+
+
+def bounded(value, where: str):
+    """``value`` (parsed YAML) if it holds at most ``MAX_VALUES`` values nested at most ``MAX_DEPTH`` deep,
+    counting what YAML aliases repeat as often as they are repeated (an alias bomb expands to billions);
+    else a ``ConfigError``. Walks without recursion and stops at the first bound."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ConfigError(f"{where}: more than {MAX_VALUES:,} values (YAML aliases that repeat a large part?); "
+                              f"a config is a few hundred.")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node if isinstance(k, (tuple, list, dict)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node)
+    return value
+
+
+def parse_yaml(text: str, where: str):
+    """``yaml.safe_load`` with the bounds of ``bounded``; a syntax error or a nesting that overflows the
+    parser is a ``ConfigError`` naming ``where``."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"{where}: {len(text):,} characters; a config is a few kilobytes.")
+    try:
+        return bounded(yaml.safe_load(text), where)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]}).") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.") from None
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}).") from None
+        text = path.read_text(errors="replace")
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror}).") from None
+    data = parse_yaml(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -50,8 +87,9 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def load_config(source: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides."""
+def load_config(source: str | None = None, overrides: list[str] | tuple = (), _chain: tuple = ()) -> Config:
+    """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides. A
+    ``base:`` names the config this one starts from (a preset or a file, relative to the working folder)."""
     source = source or "mnist"
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset (./mnist of data) is not a config
@@ -67,8 +105,16 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = ()) ->
         raise ConfigError(f"'{source}' is neither a YAML file nor a preset; presets: {names}.")
     base = raw.pop("base", None)
     if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{source}: base: {base!r} is not a preset name or a YAML file.")
+        me = str(path.resolve()) if path.is_file() else source
+        chain = _chain + (me,)
+        if (str(Path(base).resolve()) if Path(base).is_file() else base) in chain:
+            raise ConfigError(f"{source}: base: {base} leads back to itself ({' -> '.join(chain + (base,))}).")
+        if len(chain) > MAX_BASES:
+            raise ConfigError(f"{source}: more than {MAX_BASES} configs chained by base:.")
         per_device_wins(raw)  # this file's data.batch_size outranks the base's global batch
-        parent = load_config(str(base)).to_dict()
+        parent = load_config(str(base), _chain=chain).to_dict()
         raw = _deep_merge(parent, raw)
     return build(raw, overrides)
 

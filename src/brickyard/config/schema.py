@@ -49,8 +49,8 @@ class DataConfig:
     eval_batch_size: int = _opt(250, min=1)
     train_on_all: bool = _opt(False, doc="MNIST: train on all 60,000 images (no validation split)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
-    num_workers: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")
-    prefetch: int = _opt(2, min=1, doc="streaming loader batches prefetched per worker")
+    num_workers: Union[int, str] = _opt("auto", min=0, max=256, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")
+    prefetch: int = _opt(2, min=1, max=1024, doc="streaming loader batches prefetched per worker")
     pin_memory: bool = _opt(True)
     augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
     shift: int = _opt(2, min=0, max=16, doc="pixels for shift / crop augmentation")
@@ -110,7 +110,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: float = _opt(1.0, min=0.0, doc="may be fractional")
+    epochs: float = _opt(1.0, min=0.0, max=1e6, doc="may be fractional")
     max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit)")
     device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
@@ -125,7 +125,7 @@ class TrainConfig:
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
     test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
-    threads: int = _opt(0, min=0, doc="CPU intra-op threads per process (0 = cores / local processes)")
+    threads: int = _opt(0, min=0, max=1024, doc="CPU intra-op threads per process (0 = cores / local processes)")
     pin_cpus: bool = _opt(False, doc="CPU runs of several local processes: keep each on its own cores (measured: no gain with grad_sync flat)")
     tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
     tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
@@ -139,7 +139,7 @@ class TrainConfig:
     early_stopping_monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"))
     early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
     ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
-    max_time_s: float = _opt(0.0, min=0.0, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
+    max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
     csv_log: bool = _opt(False, doc="also write RUN_DIR/metrics.csv, one row per validation")
 
 
@@ -172,7 +172,7 @@ class DistConfig:
     backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
     scale_lr: str = _opt("none", choices=("none", "linear"))
     scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
-    timeout_s: int = _opt(300, min=1)
+    timeout_s: int = _opt(300, min=1, max=7 * 86400, doc="seconds a rank waits for the others (joining, a collective) before the job ends")
     grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
                           doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
     sync_bn: bool = _opt(False)
@@ -273,10 +273,15 @@ def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.05.")
+        if len(text) > 1 << 16:
+            raise ConfigError(f"--set {key.strip()}: a value of {len(text):,} characters; a setting is a few.")
         try:
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError:
             value = text
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()}: the value is nested too deeply.") from None
+        _nesting(value, f"--set {key.strip()}")
         node = raw
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -289,6 +294,18 @@ def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
     cfg = _make(Config, raw, "")
     cross_check(cfg)
     return cfg
+
+
+def _nesting(value, where: str, limit: int = 32) -> None:
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ConfigError(f"{where}: the value is nested more than {limit} levels deep.")
+        if isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node[:10_000])
+        elif isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in list(node.values())[:10_000])
 
 
 def _make(cls, raw, prefix: str):
@@ -341,6 +358,8 @@ def _check(key: str, value: Any, tp, meta) -> Any:
         shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
         raise ConfigError(f"{key}: {value!r} is not one of {shown}.")
     lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(coerced, int) and not isinstance(coerced, bool) and hi is None:
+        hi = MAX_INT  # what every counter, size and seed here can use (torch and numpy take 32-bit values)
     if isinstance(coerced, (int, float)) and not isinstance(coerced, bool):
         if coerced != coerced or coerced in (float("inf"), float("-inf")):
             raise ConfigError(f"{key}: {value!r} is not allowed; give a finite number.")
@@ -352,6 +371,7 @@ def _check(key: str, value: Any, tp, meta) -> Any:
 
 
 _BAD = object()
+MAX_INT = 2**31 - 1
 
 
 def _number(value) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import socket
 import threading
 import time
@@ -31,7 +32,9 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.master is not None:  # Slurm without MASTER_ADDR: rank 0's node from the node list
-        os.environ.setdefault("MASTER_ADDR", info.master[0])
+        # every task on this machine: the job's store listens on loopback only (``rendezvous``)
+        one_machine = info.local_world_size == info.world_size
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if one_machine else info.master[0])
         os.environ.setdefault("MASTER_PORT", str(info.master[1]))
         network.use_interface(network.route_to(*info.master)[1])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -58,13 +61,21 @@ def rendezvous(info: DistInfo, host: str, port: int, timeout_s: int):
     to accept, then gives the handshake ``HANDSHAKE_S`` seconds."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.rank == 0:
+        in_use = RendezvousError(f"rank 0: port {port} on {host} is in use by another program, so the job's rendezvous "
+                                 f"cannot open there; set MASTER_PORT to a free port (the same for every task).")
+        extra = {}
+        if _is_loopback(host):  # torch's store listens on every interface unless handed a socket bound here
+            try:
+                extra["master_listen_fd"] = _listen_on(host, port).fileno()
+            except OSError:
+                raise in_use from None
         try:
-            return tdist.TCPStore(host, port, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            return tdist.TCPStore(host, port, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                                  **extra)
         except RuntimeError as e:
             if "in use" not in str(e).lower():
                 raise
-            raise RendezvousError(f"rank 0: port {port} on {host} is in use by another program, so the job's rendezvous "
-                                  f"cannot open there; set MASTER_PORT to a free port (the same for every task).") from None
+            raise in_use from None
     _wait_until_listening(info.rank, host, port, timeout_s)
     made: dict = {}
 
@@ -82,6 +93,30 @@ def rendezvous(info: DistInfo, host: str, port: int, timeout_s: int):
     raise RendezvousError(f"rank {info.rank}: the program listening at {host}:{port} does not answer as rank 0's "
                           f"rendezvous, so another program holds MASTER_PORT; set MASTER_PORT to a free port "
                           f"(the same for every task).")
+
+
+_LISTENERS: list[socket.socket] = []  # the sockets handed to stores: they must outlive the process group
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only, for ``TCPStore(master_listen_fd=...)``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((socket.gethostbyname(host), port))
+        s.listen(1024)
+    except OSError:
+        s.close()
+        raise
+    _LISTENERS.append(s)
+    return s
 
 
 def _wait_until_listening(rank: int, host: str, port: int, timeout_s: int) -> None:
@@ -115,11 +150,11 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def broadcast_object(obj, src: int = 0):
-    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+def broadcast_object(obj, src: int = 0, group=None):
+    if not (tdist.is_initialized() and tdist.get_world_size(group) > 1):
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src)
+    tdist.broadcast_object_list(box, src, group=group)
     return box[0]
 
 
@@ -151,13 +186,19 @@ class StopVote:
     read it there. The ranks are never more than one step apart (each step all-reduces), so every rank
     reads the agreed step before it reaches it. One store round trip (~0.1 ms on one machine) per
     ``every`` steps; one process stops at once, as before.
+
+    torch's store has no authentication: anyone who reaches its port can write. A proposal therefore
+    carries a token rank 0 draws for this job and hands the ranks over the process group (never through
+    the store); a value without it, or not of this form, is ignored and said once in the log.
+    Collective at construction (the token): every rank of ``group`` makes its ``StopVote`` together.
     """
 
-    def __init__(self, info: DistInfo, every: int = 10, warn=None):
+    def __init__(self, info: DistInfo, every: int = 10, warn=None, group=None):
         self.every, self.store, self.rank = every, _job_store(info), info.rank
         self.key = f"brickyard/stop/{info.restart_count}"
         self.at, self.agreed = None, None  # the agreed step and ``Stop`` ("SIGTERM to rank 1")
         self.warn, self.ignored = warn, False
+        self.token = broadcast_object(secrets.token_hex(16), group=group) if self.store is not None else ""
 
     def should_stop(self, step: int, request: Stop | None) -> Stop | None:
         """Call after every step with this process's request to stop, if any; the agreed ``Stop`` once due."""
@@ -165,7 +206,7 @@ class StopVote:
             return request
         if self.at is None and step % self.every == 0:
             if request is not None:
-                proposal = f"{step + self.every}|{self.rank}|{request.kind}|{request.reason}"
+                proposal = f"{step + self.every}|{self.rank}|{request.kind}|{self.token}|{request.reason}"
                 self._agree(self.store.compare_set(self.key, "", proposal))
             elif self.store.check([self.key]):
                 self._agree(self.store.get(self.key))
@@ -177,9 +218,9 @@ class StopVote:
         """Take the proposal in the store; one that is not of brickyard's form (anyone on the network
         can write to torch's store) is ignored and said once."""
         try:
-            at, rank, kind, reason = value.decode().split("|", 3)
+            at, rank, kind, token, reason = value.decode().split("|", 4)
             at, rank = int(at), int(rank)
-            if kind not in ("signal", "request") or not 0 < at < 2**62:
+            if token != self.token or kind not in ("signal", "request") or not 0 < at < 2**62:
                 raise ValueError(kind)
         except (ValueError, UnicodeDecodeError):
             if not self.ignored and self.warn is not None:

@@ -90,9 +90,26 @@ def is_exported(path) -> bool:
     return p.is_file() and (p.suffix in (".safetensors", ".pt2") or p.name.endswith(".torchscript.pt"))
 
 
-def load_exported(path) -> tuple[nn.Module, dict]:
-    """The model (or program) in an exported file and its metadata; a file of another kind is one sentence."""
+def carries_code(path) -> bool:
+    """A TorchScript or ``torch.export`` file: loading one can run code that the file brings with it."""
+    p = Path(path)
+    return p.suffix == ".pt2" or p.name.endswith(".torchscript.pt")
+
+
+def refuse_untrusted(path) -> None:
+    kind = "torch.export (.pt2)" if Path(path).suffix == ".pt2" else "TorchScript"
+    raise BrickyardError(f"{path} is a {kind} program, and loading one can run code it brings with it: load it only "
+                         f"from a source you trust, with --trust-code (Python: trust_code=True); to share a model, "
+                         f"export it as safetensors (`brickyard export RUN --format safetensors`), which holds weights only.")
+
+
+def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
+    """The model (or program) in an exported file and its metadata; a file of another kind is one sentence.
+    A safetensors file holds weights only and is always read; a TorchScript or ``.pt2`` program (which
+    ``torch.jit.load`` and ``torch.export.load`` may run code from) only with ``trust_code``."""
     path = Path(path)
+    if carries_code(path) and not trust_code:
+        refuse_untrusted(path)
     extra = {_META: ""}
     try:
         if path.suffix == ".safetensors":

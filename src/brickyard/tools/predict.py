@@ -71,18 +71,19 @@ def _resize(t: torch.Tensor, image_size) -> torch.Tensor:
     return out.round().clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else out
 
 
-def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu") -> dict[str, torch.Tensor]:
+def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu", trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
     ``nn.Module`` (then inputs are used as given).
     ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
+    ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
     """
     meta = {}
     if isinstance(model_or_checkpoint, torch.nn.Module):
         model = model_or_checkpoint
     elif is_exported(model_or_checkpoint):
-        model, meta = load_exported(model_or_checkpoint)
+        model, meta = load_exported(model_or_checkpoint, trust_code)
         if outputs and meta.get("normalises"):
             raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
                                  f"safetensors export.")

@@ -240,7 +240,7 @@ def wrap(run: Run) -> None:
     n_params = sum(p.numel() for p in run.model.parameters())
     e.compiled = dev.resolve_compile(run.config.train.compile, run.device, n_params, run.total_steps)
     run.forward = torch.compile(model) if e.compiled else model
-    e.vote = dist.StopVote(e.info, warn=run.log.warning)
+    e.vote = dist.StopVote(e.info, warn=run.log.warning, group=e.group)
 
 
 def grad_sync(d, model: nn.Module, device: torch.device, group=None, own_cores: bool = True):
