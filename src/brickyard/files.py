@@ -36,6 +36,12 @@ Writer = Callable[[BinaryIO], object]
 _TEMP = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")
 
 
+def printable(path) -> str:
+    """A file name as a message can show it: a name that is not valid UTF-8 (bytes Python keeps as
+    surrogates) gets backslash escapes instead of breaking the log or the console."""
+    return os.fsdecode(path).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def umask() -> int:
     """The process's umask, read without changing it (``/proc``), else by setting and restoring it."""
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from brickyard.cli import bench, boost, data
@@ -22,6 +23,7 @@ from brickyard.cli import run as run_cmd
 from brickyard.cli import train
 from brickyard.distributed import env as dist
 from brickyard.errors import BrickyardError
+from brickyard.files import printable
 
 # the order `brickyard --help` lists them in; command name -> module of this package
 MODULES = {"train": "train", "eval": "eval", "data": "data", "plot": "plot", "inspect": "inspect", "predict": "predict",
@@ -54,6 +56,7 @@ def run() -> None:
     exit. After a successful command everything brickyard wrote is closed (logs, metrics, event
     files, checkpoints, the loader's workers), so only the standard streams need flushing."""
     code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # leaving now: a second Ctrl-C must not print a traceback
     sys.stdout.flush()
     sys.stderr.flush()
     if code == 0:
@@ -78,6 +81,26 @@ def main(argv=None) -> int:
         return 130
     except OSError as e:  # a run or output folder that cannot be made or written, a full disk
         if dist.prints_errors():
-            where = f"{e.filename}: " if e.filename else ""
+            where = f"{printable(e.filename)}: " if e.filename else ""
             print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001  a bug of brickyard's (or torch's): one line here, the traceback kept
+        where = getattr(e, "logged_in", None) or [_save_traceback(e)]
+        print(f"error: brickyard crashed ({type(e).__name__}: {_first_line(e)}); the traceback is in "
+              f"{' and '.join(where)}; please report it.", file=sys.stderr)
+        return 1
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else "no message"
+
+
+def _save_traceback(e: BaseException) -> str:
+    """The crash's traceback in a file of its own (a command without a run log); its path."""
+    import tempfile  # only on a crash
+    import traceback
+    fd, path = tempfile.mkstemp(prefix="brickyard-crash-", suffix=".txt")
+    with os.fdopen(fd, "w", errors="backslashreplace") as f:
+        f.write("".join(traceback.format_exception(e)))
+    return path

@@ -89,7 +89,8 @@ def _read_yaml(path: Path) -> dict:
 
 def load_config(source: str | None = None, overrides: list[str] | tuple = (), _chain: tuple = ()) -> Config:
     """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides. A
-    ``base:`` names the config this one starts from (a preset or a file, relative to the working folder)."""
+    ``base:`` names the config this one starts from: a file beside this one, else a preset, else a file
+    relative to the working folder."""
     source = source or "mnist"
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset (./mnist of data) is not a config
@@ -107,6 +108,8 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = (), _c
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"{source}: base: {base!r} is not a preset name or a YAML file.")
+        if path.is_file() and (path.parent / base).is_file():  # a file beside this one (else the working folder's)
+            base = str(path.parent / base)
         me = str(path.resolve()) if path.is_file() else source
         chain = _chain + (me,)
         if (str(Path(base).resolve()) if Path(base).is_file() else base) in chain:

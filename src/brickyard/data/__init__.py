@@ -6,14 +6,13 @@ loader. Normalisation and augmentation happen on the device, after a batch is lo
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from brickyard.data import cifar, idx
 from brickyard.data.bundle import DataBundle, Split
-from brickyard.data.imagefolder import decode, imagefolder_bundle, scan
+from brickyard.data.imagefolder import imagefolder_bundle
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError
 
@@ -32,11 +31,7 @@ def _build(cfg) -> DataBundle:
     if cfg.name == "synthetic":
         return synthetic_bundle(cfg.synthetic, seed=1234)
     if cfg.name == "imagefolder":
-        channels = cfg.channels
-        if not channels and cfg.root:
-            files, _, _ = scan(Path(cfg.root).expanduser() / "train")
-            channels = decode(files[0]).shape[0]
-        return imagefolder_bundle(cfg, channels or 3)
+        return imagefolder_bundle(cfg, cfg.channels)  # 0: the first readable training image's
 
     if cfg.name in cifar.SPECS:
         return _cifar(cfg)
@@ -124,8 +119,26 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
             num_classes = _output_width(model, sample)
         else:
             num_classes = int(first.labels.max()) + 1
+    if classify and num_classes:
+        for split, name in zip(splits, ("train_data", "val_data", "test_data")):
+            _check_labels(split, name, num_classes)
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
     return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape)
+
+
+def _check_labels(split, name: str, num_classes: int) -> None:
+    """Class labels held as a tensor lie in [0, num_classes): checked before training, not met as torch's
+    IndexError after an epoch (a Dataset's labels are read as it is read)."""
+    if split is None or split.labels is None or not len(split.labels):
+        return
+    labels = split.labels
+    if labels.is_floating_point():
+        raise DataError(f"{name}: labels are floats ({labels.dtype}) but train_data's are class indices; give integer labels.")
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise DataError(f"{name}: label {bad} is outside the classes 0..{num_classes - 1}; pass num_classes to fit() "
+                        f"(it is {num_classes}) or fix the labels.")
 
 
 def _output_width(model, sample: torch.Tensor) -> int:

@@ -27,21 +27,48 @@ from PIL import Image, UnidentifiedImageError
 
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.idx import cache_dir
-from brickyard.files import write_atomic
+from brickyard.files import printable, write_atomic
 from brickyard.data.transforms import NAMED_STATS, Pipeline, to_channels
 from brickyard.errors import ConfigError, DataError
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
+GREY = ("L", "1", "I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # decoded to one channel
+# what a file Pillow cannot decode raises: a truncated or foreign file, a decompression bomb (a small file
+# whose header claims a huge image), a damaged stream; each is a bad image (``data.skip_bad_images``)
+BAD_IMAGE = (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError, EOFError,
+             MemoryError)
+
+
+def bad_image(path: Path, e: BaseException) -> DataError:
+    reason = "a decompression bomb: its header claims more pixels than Pillow decodes" \
+        if isinstance(e, Image.DecompressionBombError) else f"{type(e).__name__}: {str(e).strip()[:120]}"
+    return DataError(f"{printable(path)} is unreadable or truncated ({reason}); fix or delete it, or set "
+                     f"data.skip_bad_images: true.")
+
+
+def as_uint8(im: Image.Image, mode: str) -> np.ndarray:
+    """The pixels of ``im`` in ``mode`` (L or RGB) as uint8: 16-bit and 32-bit images scaled to 0-255
+    (65535 -> 255, not clipped), float images taken as 0-1 when they lie there, else as 0-255."""
+    if im.mode.startswith("I;16") or im.mode in ("I", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        if im.mode == "F":
+            a = a * 255 if np.nanmax(a, initial=0) <= 1.0 else a
+        else:
+            a = a / 257.0  # 16-bit range (PNG, TIFF); 32-bit "I" files hold 16-bit data in practice
+        g = np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8)
+        return g if mode == "L" else np.repeat(g[..., None], 3, axis=2)
+    return np.asarray(im if im.mode == mode else im.convert(mode), dtype=np.uint8)
+
+
 def decode(path: Path) -> torch.Tensor:
     """uint8 C x H x W (1 channel for grayscale files, else 3); a clear error naming a bad file."""
     try:
         with Image.open(path) as im:
-            im = im.convert("L") if im.mode in ("L", "1", "I;16", "I") else im.convert("RGB")
-            arr = np.asarray(im, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise DataError(f"{path} is unreadable or truncated ({e}); fix or delete it, or set data.skip_bad_images: true.") from None
+            arr = as_uint8(im, "L" if im.mode in GREY else "RGB").copy()
+    except BAD_IMAGE as e:
+        raise bad_image(path, e) from None
     t = torch.from_numpy(arr)
     return t[None] if t.dim() == 2 else t.permute(2, 0, 1).contiguous()
 
@@ -83,13 +110,13 @@ def read(path: Path, pipeline: Pipeline) -> torch.Tensor:
             if plan is None:
                 return pipeline(decode(path))
             (left, top, right, bottom), (oh, ow), _ = plan
-            mode = "L" if im.mode in ("L", "1", "I;16", "I") else "RGB"
+            mode = "L" if im.mode in GREY else "RGB"
             if im.format == "JPEG":  # decode at the smallest built-in scale that still covers the output
                 im.draft(mode, (max(1, math.ceil(w * ow / (right - left))), max(1, math.ceil(h * oh / (bottom - top)))))
             scale = (im.size[0] / w, im.size[1] / h)
-            pixels = np.asarray(im if im.mode == mode else im.convert(mode))  # decoded here; read-only
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise DataError(f"{path} is unreadable or truncated ({e}); fix or delete it, or set data.skip_bad_images: true.") from None
+            pixels = as_uint8(im, mode)  # decoded here; read-only when no conversion was needed
+    except BAD_IMAGE as e:
+        raise bad_image(path, e) from None
     return _resample(pixels, plan, scale, pipeline.channels)
 
 
@@ -129,7 +156,7 @@ class DiskCache:
         stamp = hashlib.sha1()
         for f in files:
             st = f.stat()
-            stamp.update(f"{f.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            stamp.update(os.fsencode(f.relative_to(root)) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         self.fingerprint = stamp.hexdigest()[:16]
         folder = root / ".brickyard-cache"
         if not os.access(root, os.W_OK):
@@ -254,16 +281,23 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
         raise ConfigError("data.root: an image-folder data set needs data.root, the folder holding train/ and test/.")
     root = Path(cfg.root).expanduser()
     files, labels, classes = scan(root / "train")
-    cfg = auto_transforms(cfg, decode(files[0]))
+    skipped = []
+    if cfg.skip_bad_images:  # before the first image is probed for the size: it may be a bad one
+        files, labels, skipped = _drop_bad(files, labels)
+        if not files:
+            raise DataError(f"{root / 'train'}: no readable image (all {len(skipped)} skipped as bad).")
+    first = decode(files[0])
+    channels = channels or first.shape[0]
+    cfg = auto_transforms(cfg, first)
     size = _output_size(cfg)
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)
-    skipped = []
-    if cfg.skip_bad_images:
-        files, labels, skipped = _drop_bad(files, labels)
     val = None
     if (root / "val").is_dir():
         vf, vl, _ = scan(root / "val", classes)
+        if cfg.skip_bad_images:
+            vf, vl, more = _drop_bad(vf, vl)
+            skipped += more
         val = Split(dataset=ImageFolderDataset(vf, vl, eval_pipe))
     elif cfg.val_fraction > 0:
         g = torch.Generator().manual_seed(0)

@@ -209,6 +209,12 @@ def launch_script(args) -> int:
     return run_torchrun(job, [str(script), *args.script_args], Path(log_dir) if log_dir else None)
 
 
+class WorkerCrashed(BrickyardError):
+    """A worker ended by a crash (not a user error, not an interruption): the command exits 1, as the worker did."""
+
+    exit_code = 1
+
+
 def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = "") -> int:
     """``torchrun ... WORKER...`` in this process (``-m brickyard train ...`` or a script); failures
     become one sentence."""
@@ -240,8 +246,8 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
         if code in (2, 130):
             return code  # a user error or an interruption: rank 0 has already said it in one line
         where = f"{log_dir}/workerlog.{rank}" if log_dir else "its output above and the run directory's logs"
-        raise BrickyardError(f"worker rank {rank} failed with exit code {code}; see {where} "
-                             f"(restarts used: {job.max_restarts}).") from None
+        raise WorkerCrashed(f"worker rank {rank} failed with exit code {code}; see {where} "
+                            f"(restarts used: {job.max_restarts}).") from None
     except Exception as e:  # rendezvous failures and timeouts come as several torch exception types
         name = type(e).__name__
         if roll is not None and ("Rendezvous" in name or "timeout" in str(e).lower()):

@@ -30,7 +30,10 @@ class _FileFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         tag = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
-        return f"{self.formatTime(record, self.datefmt)} [rank {getattr(record, 'rank', '?')}] {tag}{record.getMessage()}"
+        line = f"{self.formatTime(record, self.datefmt)} [rank {getattr(record, 'rank', '?')}] {tag}{record.getMessage()}"
+        if record.exc_info:  # a crash, or an error in the user's code: the whole traceback follows the line
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 class _Console(logging.Handler):
@@ -67,7 +70,7 @@ class Logger(logging.LoggerAdapter):
         self._saved = (ROOT.level, ROOT.propagate)
         for f in files:
             f.parent.mkdir(parents=True, exist_ok=True)
-            self._add(logging.FileHandler(f, mode="a", encoding="utf-8"), _FileFormatter())
+            self._add(logging.FileHandler(f, mode="a", encoding="utf-8", errors="backslashreplace"), _FileFormatter())
         if console and rank == 0 and not app_configured_logging() and not any(
                 isinstance(h, _Console) for h in ROOT.handlers):
             self._add(_Console(), None)

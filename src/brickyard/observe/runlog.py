@@ -21,20 +21,26 @@ from brickyard import __version__
 
 
 class MetricsWriter:
-    """Appends rows to ``path`` (None: writes nothing, the other ranks). The file is opened at the first
-    row, so a run that fails before it starts leaves no ``metrics.jsonl`` (which marks a directory as
-    holding a run)."""
+    """Appends rows to ``path`` (None: writes nothing, the other ranks). A ``start`` row waits for the
+    first row of the run's own (a logged step, an evaluation), and the file is opened then: a run that
+    fails before it has anything to say leaves no ``metrics.jsonl``, which marks a directory as
+    holding a run and would block the next start."""
 
     def __init__(self, path: Path | None):
-        self.path, self.f = path, None
+        self.path, self.f, self.pending = path, None, []
 
     def write(self, **record) -> None:
         if self.path is None:
             return
+        record.setdefault("time", round(time.time(), 3))
+        if record.get("kind") == "start":
+            self.pending.append(record)
+            return
         if self.f is None:
             self.f = open(self.path, "a", buffering=1)
-        record.setdefault("time", round(time.time(), 3))
-        self.f.write(json.dumps(record) + "\n")
+        for row in self.pending + [record]:
+            self.f.write(json.dumps(row) + "\n")
+        self.pending = []
 
     def close(self) -> None:
         if self.f:
@@ -47,9 +53,11 @@ def read_metrics(path: Path) -> list[dict]:
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a crash
+            if isinstance(row, dict):  # a line of something else is not a row
+                rows.append(row)
     return rows
 
 

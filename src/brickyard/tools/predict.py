@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from brickyard.errors import BrickyardError, DataError
-from brickyard.files import write_atomic
+from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8
+from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
 from brickyard.training import checkpoint as ckpt
@@ -55,10 +56,13 @@ def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list
 def _read_image(path: Path, in_channels: int, image_size) -> torch.Tensor:
     try:
         with Image.open(path) as im:
-            im = im.convert("L" if in_channels == 1 else "RGB").resize((image_size[1], image_size[0]), Image.BILINEAR)
-            arr = np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{path} is not a readable image ({e}).") from None
+            pixels = as_uint8(im, "L" if im.mode in GREY else "RGB")  # 16-bit and float files scaled, not clipped
+        im = Image.fromarray(pixels).convert("L" if in_channels == 1 else "RGB")
+        arr = np.asarray(im.resize((image_size[1], image_size[0]), Image.BILINEAR), dtype=np.uint8)
+    except BAD_IMAGE as e:
+        reason = "a decompression bomb: its header claims more pixels than Pillow decodes" \
+            if isinstance(e, Image.DecompressionBombError) else str(e).strip()[:160] or type(e).__name__
+        raise DataError(f"{printable(path)} is not a readable image ({reason}).") from None
     t = torch.from_numpy(arr.copy())
     return t[None] if t.dim() == 2 else t.permute(2, 0, 1)
 

@@ -30,10 +30,24 @@ from brickyard.files import copy_atomic, read_torch, write_torch
 _STEP = re.compile(r"^step-(\d+)\.pt$")
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, resume: bool = False) -> dict:
+    """A brickyard checkpoint, its shape checked (a file from elsewhere is one sentence, never a KeyError
+    later); ``resume``: also what continuing a run needs (step, optimiser, RNG state)."""
     state = read_torch(path)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
+    if not isinstance(state["model"], dict) or not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
+        raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint ('model' is not a dict of tensors).")
+    for key, kind in (("meta", dict), ("config", dict)):
+        if key in state and not isinstance(state[key], kind):
+            raise CheckpointError(f"checkpoint {path} has a damaged '{key}' entry ({type(state[key]).__name__}, not a mapping).")
+    if resume:
+        missing = [k for k in ("step", "optimizer", "rng") if k not in state]
+        step = state.get("step")
+        if missing or not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            what = f"no {', '.join(repr(k) for k in missing)} entry" if missing else f"step {step!r}"
+            raise CheckpointError(f"checkpoint {path} cannot be resumed from ({what}); it holds weights only: start a "
+                                  f"new run from them with finetune.init_from.")
     return state
 
 
@@ -49,7 +63,7 @@ def newest_valid(folder: Path, warn) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; a broken one is reported through ``warn`` and skipped."""
     for path in reversed(step_checkpoints(folder)):
         try:
-            return path, load(path)
+            return path, load(path, resume=True)
         except CheckpointError as e:
             warn(f"{e} Falling back to the previous checkpoint.")
     return None
@@ -164,7 +178,7 @@ def find(resume: str, folder: Path, warn, info) -> tuple[Path, dict] | None:
     """The checkpoint a run continues from: the file ``resume`` names, or for ``auto`` the newest one in
     ``folder`` that verifies, a damaged one named through ``warn`` and skipped."""
     if resume != "auto":
-        return Path(resume), load(resume)
+        return Path(resume), load(resume, resume=True)
     found = newest_valid(folder, warn)
     if found is None:
         info(f"no checkpoint in {folder}; starting from scratch")
@@ -206,9 +220,15 @@ def load_model(path) -> tuple[torch.nn.Module, dict, Config]:
     meta = state.get("meta", {})
     if not meta.get("registry"):
         raise CheckpointError(f"checkpoint {path} holds a user model ({meta.get('name')}); rebuild it in Python and load state['model'].")
+    if "config" not in state:
+        raise CheckpointError(f"checkpoint {path} has no 'config' entry: it was not written by brickyard train.")
     cfg = build(state["config"])
-    model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]),
-                          **meta.get("options", {}))  # the model.* options the run built it with (patch_size)
+    try:
+        model = models.create(meta["name"], int(meta["num_classes"]), int(meta["in_channels"]),
+                              tuple(int(s) for s in meta["image_size"]),
+                              **dict(meta.get("options") or {}))  # the model.* options the run built it with (patch_size)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has a damaged 'meta' entry ({type(e).__name__}: {e}).") from None
     check_model(state, model, Path(path))
     model.load_state_dict(state["model"])
     return model, state, cfg

@@ -33,7 +33,7 @@ from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError
+from brickyard.errors import BrickyardError, DataError, UserCodeError
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.files import write_json
@@ -97,7 +97,14 @@ def _validation_due(run: Run) -> bool:
 
 def _validate(run: Run, cbs) -> None:
     cbs.on_validation_start(run)
-    r = evaluate_split(run, run.data.val)
+    try:
+        r = evaluate_split(run, run.data.val)
+    except DataError as err:  # a bad validation file: keep the epoch just trained before saying so
+        kept = None if run._engine.sharded else run._engine.checkpoints.save(run)  # FSDP: saving needs every rank
+        if kept is None:
+            raise
+        raise DataError(f"{err} The epoch trained before it is kept in {kept}: resume with `--resume auto` once the "
+                        f"file is fixed.") from None
     run.metrics, run.validated_at = r, run.step
     cbs.on_validation_end(run, r)
 
@@ -208,10 +215,16 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
         heartbeat = dist.Heartbeat(info)
         return _train(req, host, log, metrics, rundir)
     except BrickyardError as e:
-        log.error(str(e))
+        log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
         raise
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        raise failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) from None
+    except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
+        explained = failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) \
+            if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
+        if explained is not e:
+            raise explained from None
+        log.error(f"crashed: {type(e).__name__}: {e}", exc_info=e)
+        e.logged_in = [str(h.baseFilename) for h in log.handlers if hasattr(h, "baseFilename")]  # what the CLI names
+        raise
     finally:
         if heartbeat is not None:
             heartbeat.stop()

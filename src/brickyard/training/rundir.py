@@ -48,6 +48,7 @@ def default_path(name: str) -> Path:
     agrees on from the job and step ids (each task's own clock could name another folder a second
     later), ``runs/NAME-slurmJOB.STEP``; else ``runs/NAME-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ...
     when runs start within the same second. Torch-free (the command line names it before torch loads)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).replace("..", "_").lstrip(".") or "run"  # a name, never a path
     named = slurm.run_name(name)
     if named:
         return named

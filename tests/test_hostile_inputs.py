@@ -1,0 +1,201 @@
+"""The battery: what strangers hand brickyard, one line each: the input, the exit code, the words
+the user reads. None may end in a traceback, a hang, a signal death or code execution, and none may
+change a byte of a run written before it (logs may only grow). Add a row for every case found later.
+
+Every case runs the real command line (fp32, one thread, synthetic data or small files made here)."""
+import os
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import SYNTH, run_cli, sets
+
+def _png_header_only(w: int, h: int) -> bytes:
+    """A 69-byte PNG whose header claims a w x h image: a decompression bomb."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def _folder(root: Path, bad: dict) -> Path:
+    """A small image folder (two classes, 20 px PNGs) with ``bad``: {relative path: bytes} added."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val", "test"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(4):
+                Image.fromarray((rng.random((20, 20, 3)) * 255).astype(np.uint8)).save(root / split / c / f"{i}.png")
+    for rel, data in bad.items():
+        path = os.path.join(os.fsencode(root), rel if isinstance(rel, bytes) else os.fsencode(rel))
+        with open(path, "wb") as f:
+            f.write(data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = tmp_path_factory.mktemp("hostile")
+    run = w / "run"
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=1", "checkpoint.keep_last=2"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    good = run / "checkpoints" / "best.pt"
+    state = torch.load(good, weights_only=True)
+    (w / "bomb.yaml").write_text("a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdef", "bcdefg")) + "data:\n  classes: [*g, *g]\n")
+    (w / "deep.yaml").write_text("[" * 20000 + "]" * 20000)
+    (w / "self.yaml").write_text("base: self.yaml\n")
+    (w / "ping.yaml").write_text("base: pong.yaml\n")
+    (w / "pong.yaml").write_text("base: ping.yaml\n")
+    (w / "list.yaml").write_text("- 1\n- 2\n")
+    (w / "syntax.yaml").write_text("optim: {lr: [\n")
+    (w / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    (w / "huge.yaml").write_text("# " + "x" * (2 << 20) + "\n")
+    (w / "base-number.yaml").write_text("base: 5\n")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {w / 'pwned'}",))
+    torch.save({"model": {}, "x": Evil()}, w / "evil.pt")
+    (w / "m.pt2").write_bytes(b"PK\x03\x04 anything: never opened without --trust-code")
+    (w / "m.torchscript.pt").write_bytes(b"PK\x03\x04 likewise")
+    (w / "junk.safetensors").write_bytes(b"not a safetensors file")
+    raw = bytearray(good.read_bytes())
+    big = max(state["model"].values(), key=lambda t: t.numel()).numpy().tobytes()
+    raw[bytes(raw).index(big[:64]) + 100] ^= 0x01
+    (w / "flipped.pt").write_bytes(bytes(raw))
+    (w / "cut.pt").write_bytes(good.read_bytes()[:3000])
+    torch.save({k: v for k, v in state.items() if k != "config"}, w / "noconfig.pt")
+    torch.save({**state, "meta": [1, 2, 3]}, w / "badmeta.pt")
+    torch.save({**state, "meta": {**state["meta"], "num_classes": "ten"}}, w / "badmeta2.pt")
+    torch.save({**state, "model": [1, 2]}, w / "badmodel.pt")
+    torch.save({k: v for k, v in state.items() if k not in ("step", "rng")}, w / "nostep.pt")
+    torch.save({**state, "step": -5}, w / "negstep.pt")
+    (w / "text.png").write_text("this is not an image")
+    (w / "bomb.png").write_bytes(_png_header_only(20000, 20000))
+    Image.fromarray((np.arange(784).reshape(28, 28) * 80).astype(np.uint16)).save(w / "sixteen.png")
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(w / "digit.png")
+    _folder(w / "bombfolder", {"train/a/0.png": _png_header_only(20000, 20000)})
+    _folder(w / "badprobe", {"train/a/0.png": b"not a png"})
+    _folder(w / "badval", {"val/b/9.png": b"\x89PNG\r\n\x1a\n cut short"})
+    _folder(w / "notutf8", {b"train/a/caf\xe9-\xff.png": (w / "digit.png").read_bytes()})
+    weird = run / "weird"  # a second run whose metrics.jsonl holds rows that are not objects
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=1", "train.plots=false"), "--run-dir", str(weird))
+    assert r.returncode == 0, r.stderr
+    with open(weird / "metrics.jsonl", "a") as f:
+        f.write("[1, 2]\n\"text\"\n42\n{\"kind\": \"train\", \"st")
+    return w
+
+
+IMG = ["data.name=imagefolder", "model.name=mlp", "train.epochs=1", "train.precision=fp32", "train.threads=1",
+       "train.progress=none", "data.batch_size=4", "train.plots=false"]
+
+# (name, command (W: the world folder), exit code, words the user reads)
+CASES = [
+    # configs
+    ("alias bomb", ["train", "W/bomb.yaml"], 2, "more than 100,000 values"),
+    ("20,000 nested brackets", ["train", "W/deep.yaml"], 2, "nested more than 32 levels deep"),
+    ("base: names itself", ["train", "W/self.yaml"], 2, "leads back to itself"),
+    ("base: a cycle of two", ["train", "W/ping.yaml"], 2, "leads back to itself"),
+    ("base: a number", ["train", "W/base-number.yaml"], 2, "is not a preset name or a YAML file"),
+    ("top level a list", ["train", "W/list.yaml"], 2, "the top level must be a mapping"),
+    ("YAML syntax error", ["train", "W/syntax.yaml"], 2, "not valid YAML"),
+    ("binary bytes as YAML", ["train", "W/binary.yaml"], 2, "W/binary.yaml"),
+    ("a 2 MB config", ["train", "W/huge.yaml"], 2, "a config is a few kilobytes"),
+    ("a missing config", ["train", "W/nope.yaml"], 2, "does not exist"),
+    ("3,000-deep --set list", ["train", "--set", "data.classes=" + "[" * 3000 + "]" * 3000], 2, "nested too deeply"),
+    ("a 100 kB --set value", ["train", "--set", "model.name=" + "x" * 100_000], 2, "a setting is a few"),
+    ("--set without =", ["train", "--set", "optim.lr"], 2, "expected KEY=VALUE"),
+    ("an unknown key", ["train", "--set", "optim.lrr=1"], 2, "optim.lrr: unknown key"),
+    ("threads=100000", ["train", "--set", "train.threads=100000"], 2, "train.threads: 100000 is above the maximum 1024"),
+    ("seed=1e23", ["train", "--set", "train.seed=1e23"], 2, "train.seed: '1e23' is above the maximum"),
+    ("seed=1e16", ["train", "--set", "train.seed=1e16"], 2, "train.seed: '1e16' is above the maximum"),
+    ("seed=-1", ["train", "--set", "train.seed=-1"], 2, "train.seed: -1 is below the minimum 0"),
+    ("epochs=1e308", ["train", "--set", "train.epochs=1e308"], 2, "train.epochs: '1e308' is above the maximum"),
+    ("timeout_s=1e14", ["train", "--set", "dist.timeout_s=1e14"], 2, "dist.timeout_s: '1e14' is above the maximum"),
+    ("max_steps=1e12", ["train", "--set", "train.max_steps=1e12"], 2, "train.max_steps: '1e12' is above the maximum"),
+    ("lr=nan", ["train", "--set", "optim.lr=.nan"], 2, "give a finite number"),
+    ("lr=inf", ["train", "--set", "optim.lr=.inf"], 2, "give a finite number"),
+    ("num_workers=100000", ["train", "--set", "data.num_workers=100000"], 2, "data.num_workers: 100000 is above the maximum 256"),
+    ("batch_size=-3", ["train", "--set", "data.batch_size=-3"], 2, "data.batch_size: -3 is below the minimum 1"),
+    # model files and checkpoints
+    ("a pickle that runs code", ["predict", "W/evil.pt", "W/digit.png"], 2, "cannot be read"),
+    ("a .pt2 program", ["predict", "W/m.pt2", "W/digit.png"], 2, "can run code it brings with it"),
+    ("a TorchScript program", ["predict", "W/m.torchscript.pt", "W/digit.png"], 2, "--trust-code"),
+    ("junk named .safetensors", ["predict", "W/junk.safetensors", "W/digit.png"], 2, "cannot be read as an exported"),
+    ("a flipped byte", ["eval", "W/flipped.pt"], 2, "is damaged"),
+    ("a cut checkpoint", ["eval", "W/cut.pt"], 2, "cannot be read"),
+    ("no config entry", ["eval", "W/noconfig.pt"], 2, "no 'config' entry"),
+    ("meta a list", ["eval", "W/badmeta.pt"], 2, "damaged 'meta' entry"),
+    ("meta with a bad number", ["predict", "W/badmeta2.pt", "W/digit.png"], 2, "damaged 'meta' entry"),
+    ("model a list", ["eval", "W/badmodel.pt"], 2, "not a dict of tensors"),
+    ("resume without a step", ["train", *sets(*SYNTH), "--run-dir", "W/r-nostep", "--resume", "W/nostep.pt"], 2,
+     "cannot be resumed from"),
+    ("resume at step -5", ["train", *sets(*SYNTH), "--run-dir", "W/r-negstep", "--resume", "W/negstep.pt"], 2,
+     "cannot be resumed from (step -5)"),
+    ("a missing checkpoint", ["eval", "W/none.pt"], 2, "does not exist"),
+    # images
+    ("text named .png", ["predict", "W/run", "W/text.png"], 2, "is not a readable image"),
+    ("a decompression bomb to predict", ["predict", "W/run", "W/bomb.png"], 2, "decompression bomb"),
+    ("a 16-bit image to predict", ["predict", "W/run", "W/sixteen.png"], 0, ""),
+    ("a decompression bomb in train/", ["train", *sets(*IMG, "data.root=W/bombfolder"), "--run-dir", "W/r-bomb"], 2,
+     "decompression bomb"),
+    ("the bomb skipped", ["train", *sets(*IMG, "data.root=W/bombfolder", "data.skip_bad_images=true"), "--run-dir",
+                          "W/r-bomb-skip"], 0, ""),
+    ("a bad probe image skipped", ["train", *sets(*IMG, "data.root=W/badprobe", "data.skip_bad_images=true"), "--run-dir",
+                                   "W/r-probe"], 0, ""),
+    ("a bad val/ image skipped", ["train", *sets(*IMG, "data.root=W/badval", "data.skip_bad_images=true"), "--run-dir",
+                                 "W/r-val-skip"], 0, ""),
+    ("a bad val/ image keeps the epoch", ["train", *sets(*IMG, "data.root=W/badval"), "--run-dir", "W/r-val"], 2,
+     "The epoch trained before it is kept in"),
+    ("a name that is not UTF-8, disk cache", ["train", *sets(*IMG, "data.root=W/notutf8", "data.cache=disk"),
+                                             "--run-dir", "W/r-utf8"], 0, ""),
+    # run directories and their files
+    ("train over a finished run", ["train", *sets(*SYNTH), "--run-dir", "W/run"], 2, "already holds a run"),
+    ("resume another run's file", ["train", *sets(*SYNTH), "--run-dir", "W/run", "--resume", "W/run/weird/checkpoints/best.pt"],
+     2, "holds another run"),
+    ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
+    ("a preset that is a path", ["train", *sets(*SYNTH, "preset=../../escape", "train.max_steps=1")], 0, ""),
+]
+
+
+@pytest.mark.parametrize("name, args, code, words", CASES, ids=[c[0] for c in CASES])
+def test_a_hostile_input_is_one_sentence_and_changes_nothing(world, name, args, code, words, tmp_path):
+    before = {p: p.read_bytes() for p in (world / "run").rglob("*") if p.is_file()}
+    args = [re.sub(r"(^|=)W/", lambda m: f"{m.group(1)}{world}/", a) for a in args]
+    r = run_cli(*args, cwd=tmp_path, timeout=300)
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr[-3000:]
+    if code:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
+        assert words.replace("W/", f"{world}/") in lines[0], lines[0]
+    assert not (world / "pwned").exists()
+    for p, content in before.items():
+        if p.name in ("train.log", "workerlog.0"):
+            assert p.read_bytes().startswith(content), p
+        else:
+            assert p.read_bytes() == content, p
+    if name == "a preset that is a path":
+        made = list((tmp_path / "runs").iterdir())
+        assert len(made) == 1 and made[0].name.startswith("____escape-"), made
+        assert not (tmp_path.parent / "escape").exists()
+
+
+def test_fit_checks_labels_before_training(tmp_path):
+    from brickyard import fit
+    from brickyard.errors import DataError
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(DataError, match=r"val_data: label 7 is outside the classes 0..2"):
+        fit(model, (x, y), (x[:8], torch.full((8,), 7)), num_classes=3, run_dir=tmp_path / "a",
+            overrides=["train.progress=none", "train.precision=fp32"])
+    with pytest.raises(DataError, match=r"train_data: label -1 is outside the classes 0..2"):
+        fit(model, (x, y - 1), num_classes=3, run_dir=tmp_path / "b", overrides=["train.progress=none"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
