@@ -17,6 +17,7 @@ Host syncs: the loop accumulates loss and accuracy sums on the device and reads 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -42,7 +43,7 @@ from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
-from brickyard.training import failures, setup
+from brickyard.training import failures, precision, setup
 from brickyard.training.evaluation import evaluate, evaluate_split, finish
 from brickyard.training.run import Request, Run
 from brickyard.training.rundir import RunDir, default_path
@@ -243,6 +244,7 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     if req.resume and req.resume != "auto":
         rundir.check_resume_file(req.resume)  # once the file is known to be a checkpoint
     plan = setup.plan(cfg, req.data, info, run_dir)  # batches, steps and schedule: decided once, here
+    host, measured = _measure_precision(req, host, plan)
     if plan.serves(info.rank):  # a parameter server: it serves until the trainers are done
         setup.serve(req, host, plan, log)
         return {}
@@ -263,8 +265,9 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
         write_json(run_dir / "env.json", env_record(host.device, cfg.train.seed, info.world_size, {
             "precision": run.precision, "channels_last": e.channels_last, "threads": host.threads,
             "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": e.grad_sync.name,
-            "allocator": host.allocator, "model": meta, "restart_count": info.restart_count}))
-    setup.announce(run, host, info)
+            "allocator": host.allocator, "model": meta, "restart_count": info.restart_count,
+            "cpu_model": precision.cpu_model(), "precision_measured": measured}))
+    setup.announce(run, host, info, measured)
     metrics.write(kind="start", step=run.step, world_size=info.world_size, total_steps=run.total_steps)
     run.model.train()
     with _StopFlag(run):
@@ -282,3 +285,18 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
+
+
+def _measure_precision(req: Request, host: dev.Host, plan) -> tuple[dev.Host, dict | None]:
+    """``train.precision: auto`` on a CPU that could run either: rank 0 measures (``training.precision``)
+    and every rank takes its answer (a collective: every rank calls this, servers included)."""
+    cfg, data = req.config, req.data
+    if not (precision.needs_measuring(cfg.train.precision, host.device) and data.is_images):
+        return host, None
+    record = None
+    if req.info.rank == 0:
+        shape = data.sample_shape or (data.in_channels, *data.image_size)
+        record = precision.choose(req.model, shape, plan.batches.batch_size, host.device, host.threads,
+                                  host.channels_last and data.is_images)
+    record = dist.broadcast_object(record)
+    return dataclasses.replace(host, precision=record["chosen"]), record

@@ -261,12 +261,14 @@ def grad_sync(d, model: nn.Module, device: torch.device, group=None, own_cores: 
     return ddp, gradsync.GradSync(ddp)
 
 
-def announce(run: Run, host: dev.Host, info) -> None:
-    """The start-of-run lines: hardware and settings, model and data, batch and schedule, groups."""
+def announce(run: Run, host: dev.Host, info, measured: dict | None = None) -> None:
+    """The start-of-run lines: hardware and settings (with how ``precision: auto`` chose, where it
+    measured), model and data, batch and schedule, groups."""
     cfg, data, log = run.config, run.data, run.log
+    how = f" (auto: {measured['how']})" if measured else ""
     n_params = sum(p.numel() for p in run.model.parameters())
     pinned = f" on CPU {','.join(map(str, host.pinned))}" if host.pinned else ""
-    log.info(f"device {dev.describe(host.device)}, precision {host.precision}, channels_last {run._engine.channels_last}, "
+    log.info(f"device {dev.describe(host.device)}, precision {host.precision}{how}, channels_last {run._engine.channels_last}, "
              f"{host.threads} threads{pinned}" + (f", {host.workers} loader workers" if not data.in_memory else "")
              + f", allocator {host.allocator}, world size {info.world_size}"
              + (f", gradient sync {run._engine.grad_sync.name}" if info.world_size > 1 else "")
