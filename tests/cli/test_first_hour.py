@@ -104,6 +104,7 @@ def test_input_bound_advice_fits_the_loader():
     from types import SimpleNamespace as NS
     from brickyard.callbacks.progress import ProgressLog
     from brickyard.optim import Update
+    from brickyard.training.run import Meter
 
     class Totals:
         count, classify = 0, True
@@ -113,13 +114,14 @@ def test_input_bound_advice_fits_the_loader():
 
     lines = []
     for hint in (None, "try more data.num_workers"):
-        engine = NS(totals=Totals(), data_world=1, update=Update(), data_wait=0.0, train_seconds=0.0, images=0)
-        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, _engine=engine, epoch=0, step=1,
+        meter = Meter(Totals())  # what the loop measures; ProgressLog reads it through the public Run
+        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, meter=meter, epoch=0, step=1,
                  steps_per_epoch=10, total_steps=10, lr=0.1, train_loss=None, train_accuracy=None,
-                 log=NS(info=lambda line, console=True: lines.append(line)))
+                 update_note=Update().describe, log=NS(info=lambda line, console=True: lines.append(line)))
         log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint, guard=lambda run: None)
+        meter.start_epoch()
         log.on_epoch_start(run)
-        engine.totals.count, engine.data_wait = 8, 1.0  # the whole window spent waiting for data
+        meter.totals.count, meter.images, meter.data_wait = 8, 8, 1.0  # the whole window spent waiting for data
         time.sleep(0.01)
         log._log(run)
     assert "input-bound" not in lines[0] and "num_workers" not in lines[0]
