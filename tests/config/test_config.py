@@ -121,3 +121,29 @@ def test_a_data_folder_named_like_the_preset_does_not_hide_it(tmp_path, monkeypa
         load_config("nothing-here")
     r = run_cli("memory", cwd=tmp_path)  # the default preset, through the CLI
     assert r.returncode == 0 and "memory per device" in r.stdout, r.stderr
+
+
+def test_the_schema_follows_torch_and_a_changed_optimiser_gets_its_own_conventions(tmp_path):
+    import inspect
+    import torch
+    from brickyard.config.schema import CONVENTIONAL
+    for name, cls in (("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW),
+                      ("adagrad", torch.optim.Adagrad), ("adadelta", torch.optim.Adadelta)):
+        params = inspect.signature(cls).parameters
+        for key in ("lr", "weight_decay", "eps", "betas"):
+            if key in params:
+                assert CONVENTIONAL[name][key] == params[key].default, (name, key)
+    mine = tmp_path / "mine.yaml"  # a YAML without base: torch's Adam, cross-entropy without smoothing, no schedule
+    mine.write_text("optim:\n  name: adam\n")
+    o = load_config(str(mine)).optim
+    assert (o.lr, tuple(o.betas), o.eps, o.weight_decay, o.label_smoothing) == (1e-3, (0.9, 0.999), 1e-8, 0.0, 0.0)
+    assert load_config(str(mine)).schedule.name == "constant"
+    notes = []
+    o = load_config("mnist", ["optim.name=nesterov"], notes=notes).optim  # the preset's Adam rate is not carried over
+    assert (o.lr, o.momentum, o.label_smoothing) == (1e-3, 0.9, 0.1)
+    assert notes == ["optim.name nesterov (--set) replaces adam: optim.lr 0.001, optim.momentum 0.9, optim.weight_decay "
+                     "0.0 are nesterov's conventional settings, not the ones tuned for adam; set them to choose others"]
+    assert load_config("mnist", ["optim.name=nesterov", "optim.lr=0.05"]).optim.lr == 0.05  # said with it: kept
+    course = tmp_path / "course.yaml"
+    course.write_text("base: mnist-course\noptim:\n  name: adam\n")  # the course's "now try Adam"
+    assert load_config(str(course)).optim.lr == 1e-3  # not SGD's tuned 0.01

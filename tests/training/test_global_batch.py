@@ -77,3 +77,18 @@ def test_bad_global_batches_are_one_line_and_write_nothing(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == ("error: the training split has 3 samples, fewer than the 4 processes "
                                                       "that read data; use fewer processes or more data.")
     assert not run.exists()
+
+
+def test_max_steps_and_stop_epoch_end_a_run_without_reshaping_its_schedule(tmp_path):
+    """Plan 4 epochs, stop after 1: the rates of the steps taken are those of the 4-epoch run."""
+    import json
+    base = [*SYNTH, "train.epochs=4", "schedule.name=cosine", "train.log_every=4"]
+    rates = {}
+    for name, extra in (("whole", []), ("steps", ["train.max_steps=16"]), ("epoch", ["train.stop_epoch=1"])):
+        r = run_cli("train", *sets(*base, *extra), "--run-dir", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rates[name] = {x["step"]: x["lr"] for x in rows if x["kind"] == "train"}
+    assert max(rates["steps"]) == max(rates["epoch"]) == 16 and max(rates["whole"]) == 64
+    assert rates["steps"] == rates["epoch"] == {s: lr for s, lr in rates["whole"].items() if s <= 16}
+    assert rates["steps"][16] > 0.5 * 0.05  # a quarter into a cosine: far from annealed

@@ -42,9 +42,13 @@ def run(args) -> int:
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"train.device={args.device}")
-    cfg = load_config(args.config or "mnist", overrides)
+    notes: list[str] = []
+    cfg = load_config(args.config or "mnist", overrides, notes=notes)
     if args.resume and args.run_dir:
         cfg = resume_config(args.run_dir, args.config, overrides)
+    elif dist.from_env().is_main and "LOCAL_RANK" not in os.environ:  # said once, by the command the user typed
+        for note in notes:
+            print(f"config: {note}", flush=True)
     launch.process_env(cfg)
     if args.devices and slurm.task_of_a_step():
         raise BrickyardError(f"--devices {args.devices} starts processes of its own, but srun has already started "

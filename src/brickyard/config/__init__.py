@@ -16,7 +16,7 @@ import yaml
 from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig,  # noqa: F401
                                      DistConfig, FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig,
                                      ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, build, cross_check,
-                                     per_device_wins)
+                                     per_device_wins, switch_optimiser)
 from brickyard.errors import ConfigError
 from brickyard.files import write_atomic, write_if_changed
 
@@ -87,10 +87,12 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def load_config(source: str | None = None, overrides: list[str] | tuple = (), _chain: tuple = ()) -> Config:
+def load_config(source: str | None = None, overrides: list[str] | tuple = (), _chain: tuple = (),
+                notes: list | None = None) -> Config:
     """Resolve a preset name or YAML path (default preset ``mnist``) plus ``KEY=VALUE`` overrides. A
     ``base:`` names the config this one starts from: a file beside this one, else a preset, else a file
-    relative to the working folder."""
+    relative to the working folder. ``notes``, when given, collects what the first log line should say
+    about where keys came from (an optimiser changed on a preset gets its own conventions)."""
     source = source or "mnist"
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset (./mnist of data) is not a config
@@ -117,13 +119,15 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = (), _c
         if len(chain) > MAX_BASES:
             raise ConfigError(f"{source}: more than {MAX_BASES} configs chained by base:.")
         per_device_wins(raw)  # this file's data.batch_size outranks the base's global batch
-        parent = load_config(str(base), _chain=chain).to_dict()
+        parent = load_config(str(base), _chain=chain, notes=notes).to_dict()
+        if isinstance(raw.get("optim"), dict) and "name" in raw["optim"]:
+            switch_optimiser(parent["optim"], raw["optim"]["name"], set(raw["optim"]), f"{source}, on {base}", notes)
         raw = _deep_merge(parent, raw)
-    return build(raw, overrides)
+    return build(raw, overrides, notes)
 
 
 # keys a resumed run may change: how long it trains, what it logs and saves, where and how fast it runs
-MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.max_time_s", "train.progress", "train.log_every",
+MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.stop_epoch", "train.max_time_s", "train.progress", "train.log_every",
                         "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
                         "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
                         "checkpoint.", "dist.timeout_s", "dist.strategy", "dist.fsdp.", "dist.grad_sync", "dist.backend",

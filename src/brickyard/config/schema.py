@@ -81,24 +81,48 @@ class ParamGroupRule:
     lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier")
 
 
+# what each optimiser gets where the config does not say: torch.optim's own defaults (torch 2.13,
+# inspect.signature of SGD, Adam, AdamW, Adagrad, Adadelta; tests/config compares), and momentum 0.9
+# for brickyard's momentum and nesterov, which name SGD with momentum (torch's SGD default is none)
+CONVENTIONAL = {
+    "sgd": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8},
+    "momentum": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
+    "nesterov": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
+    "adagrad": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-10},
+    "adadelta": {"lr": 1.0, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-6},
+    "adam": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
+    "adamw": {"lr": 1e-3, "weight_decay": 1e-2, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
+}
+OPTIMISER_KEYS = ("lr", "momentum", "weight_decay", "betas", "eps")  # tuned per optimiser: not carried across a change
+USED_BY = {"sgd": ("lr", "weight_decay"), "momentum": ("lr", "momentum", "weight_decay"),
+           "nesterov": ("lr", "momentum", "weight_decay"), "adam": ("lr", "betas", "eps", "weight_decay"),
+           "adamw": ("lr", "betas", "eps", "weight_decay"), "adagrad": ("lr", "eps", "weight_decay"),
+           "adadelta": ("lr", "eps", "weight_decay")}
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = _opt("adam", choices=("sgd", "momentum", "nesterov", "adagrad", "adadelta", "adam", "adamw"))
-    lr: float = _opt(0.02, min=0.0, doc="base (peak) learning rate")
-    momentum: float = _opt(0.9, min=0.0, max=1.0)
-    weight_decay: float = _opt(0.0, min=0.0)
-    betas: tuple = _opt((0.7, 0.9))
-    eps: float = _opt(1e-8, min=0.0)
-    label_smoothing: float = _opt(0.1, min=0.0, max=1.0)
+    name: str = _opt("adam", choices=tuple(CONVENTIONAL))
+    lr: Union[float, None] = _opt(None, min=0.0, doc="base (peak) learning rate; null: the optimiser's torch default (1e-3; adagrad 1e-2, adadelta 1.0)")
+    momentum: Union[float, None] = _opt(None, min=0.0, max=1.0, doc="momentum and nesterov; null: 0.9")
+    weight_decay: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (0; adamw 0.01)")
+    betas: Union[tuple, None] = _opt(None, doc="adam, adamw; null: torch's (0.9, 0.999)")
+    eps: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (1e-8; adagrad 1e-10, adadelta 1e-6)")
+    label_smoothing: float = _opt(0.0, min=0.0, max=1.0, doc="cross-entropy label smoothing (torch's default: 0)")
     param_groups: tuple = _opt((), item=ParamGroupRule, doc="rules [{match, weight_decay, lr_mult}], first match wins")
     decay_bias_norm: bool = _opt(True, doc="false: biases and norm-layer weights get no weight decay")
     l1: float = _opt(0.0, min=0.0, doc="L1 penalty on decayed parameters, added to the loss")
 
+    def __post_init__(self):  # what the config leaves open is the chosen optimiser's convention, written out
+        for key in OPTIMISER_KEYS:
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, CONVENTIONAL[self.name][key])
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: str = _opt("onecycle", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "none"),
-                     doc="none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
+    name: str = _opt("constant", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "none"),
+                     doc="constant (as torch without a scheduler); none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
     warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant)")
     lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
     lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")
@@ -111,7 +135,8 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: float = _opt(1.0, min=0.0, max=1e6, doc="may be fractional")
-    max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit)")
+    max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit); the schedule is still planned over train.epochs (with epochs 0: over max_steps)")
+    stop_epoch: float = _opt(0.0, min=0.0, max=1e6, doc="stop after this many epochs, the schedule planned over train.epochs (plan 90, stop at 70; 0 = at train.epochs)")
     device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
     channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
@@ -265,10 +290,28 @@ def per_device_wins(raw: dict, keys=None) -> None:
         raw.setdefault("data", {})["global_batch_size"] = 0
 
 
-def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
+def switch_optimiser(optim: dict, new: str, kept, where: str, notes: list | None) -> None:
+    """``optim`` (a raw section) is getting optimiser ``new``: the settings tuned for the old one that
+    ``kept`` (the keys set together with the change) does not name are dropped, so ``new`` gets its own
+    conventions (``CONVENTIONAL``) instead of another optimiser's tuned rate; said in ``notes``."""
+    old = optim.get("name", OptimConfig.name)
+    if new == old:
+        return
+    dropped = [k for k in OPTIMISER_KEYS if k in optim and k not in kept]
+    for k in dropped:
+        optim.pop(k)
+    relevant = [k for k in USED_BY.get(new, ()) if k not in kept]
+    if dropped and relevant and notes is not None:
+        shown = ", ".join(f"optim.{k} {list(CONVENTIONAL[new][k]) if k == 'betas' else CONVENTIONAL[new][k]}" for k in relevant)
+        notes.append(f"optim.name {new} ({where}) replaces {old}: {shown} are {new}'s conventional settings, not "
+                     f"the ones tuned for {old}; set them to choose others")
+
+
+def build(raw: dict, overrides: list[str] | tuple = (), notes: list | None = None) -> Config:
     raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
     per_device_wins(raw)
-    per_device_wins(raw, [item.partition("=")[0].strip() for item in overrides])
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    per_device_wins(raw, keys)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -282,6 +325,8 @@ def build(raw: dict, overrides: list[str] | tuple = ()) -> Config:
         except RecursionError:
             raise ConfigError(f"--set {key.strip()}: the value is nested too deeply.") from None
         _nesting(value, f"--set {key.strip()}")
+        if key.strip() == "optim.name" and isinstance(raw.get("optim"), dict):
+            switch_optimiser(raw["optim"], value, {k.split(".", 1)[1] for k in keys if k.startswith("optim.")}, "--set", notes)
         node = raw
         parts = key.strip().split(".")
         for p in parts[:-1]:

@@ -71,10 +71,13 @@ def plan(cfg: Config, data, info, run_dir: Path) -> Plan:
     per_epoch = batches.steps_per_epoch // t.grad_accum
     if per_epoch == 0:
         raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {batches.steps_per_epoch} batches in an epoch.")
-    total = math.ceil(t.epochs * per_epoch)
+    planned = math.ceil(t.epochs * per_epoch) if t.epochs else t.max_steps  # what the schedule spans
+    total = planned  # where the run stops: max_steps and stop_epoch end it early, never reshape the schedule
     if t.max_steps:
-        total = min(total, t.max_steps) if t.epochs else t.max_steps
-    peak, schedule = _schedule(cfg, data_world, total, per_epoch)
+        total = min(total, t.max_steps)
+    if t.stop_epoch:
+        total = min(total, math.ceil(t.stop_epoch * per_epoch))
+    peak, schedule = _schedule(cfg, data_world, planned, per_epoch)
     return Plan(cfg, Path(run_dir), layout, data_world, batches, per_epoch, total, peak, schedule)
 
 
