@@ -36,6 +36,15 @@ class _FileFormatter(logging.Formatter):
         return line
 
 
+class _RunFile(logging.FileHandler):
+    """A run's log file. A line that cannot be written (a full disk, a file-size limit) is lost quietly:
+    logging's own habit of printing a traceback would bury the one sentence the user needs, which the
+    command line says anyway."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 class _Console(logging.Handler):
     """Rank 0's console: plain information lines on stdout, ``warning: ...`` on stderr, no errors."""
 
@@ -70,7 +79,7 @@ class Logger(logging.LoggerAdapter):
         self._saved = (ROOT.level, ROOT.propagate)
         for f in files:
             f.parent.mkdir(parents=True, exist_ok=True)
-            self._add(logging.FileHandler(f, mode="a", encoding="utf-8", errors="backslashreplace"), _FileFormatter())
+            self._add(_RunFile(f, mode="a", encoding="utf-8", errors="backslashreplace"), _FileFormatter())
         if console and rank == 0 and not app_configured_logging() and not any(
                 isinstance(h, _Console) for h in ROOT.handlers):
             self._add(_Console(), None)

@@ -218,6 +218,9 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
     except BrickyardError as e:
         log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
         raise
+    except OSError as e:  # a full disk, a size limit, permissions: the CLI names the file and the reason
+        log.error(f"{e.filename or ''}: {e.strerror or e}")
+        raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
         explained = failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) \
             if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
