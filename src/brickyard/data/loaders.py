@@ -164,7 +164,13 @@ def plan_workers(value, streams: bool, cpu: bool, cores: int) -> int:
     """``data.num_workers`` for a process with ``cores`` CPUs of its own: a number is kept (asked for);
     ``auto`` gives in-memory data none, a CPU run half of the process's cores (its training threads take
     the rest, so processes x (threads + workers) stays within the machine's cores), a GPU run the cores
-    less the one the training process drives the GPU with, at most 8."""
+    less the one the training process drives the GPU with, at most 8.
+
+    Why a plan and not a measurement: the best count moves during a run (the first epoch decodes JPEGs
+    from a cold page cache, later ones read a warm one or ``data.cache``), so a few timed steps at the
+    start would measure the wrong epoch, and each trial count costs a pool of processes started and
+    stopped (seconds each). The split itself was measured (``benchmarks/imagefolder_speed.py``): half
+    the cores decoding beat both one worker and all cores on the 2-core machines."""
     if value != "auto":
         return int(value)
     if not streams:

@@ -44,6 +44,7 @@ from brickyard.errors import BrickyardError
 from brickyard.observe.plots import scaling
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import device as dev
+from brickyard.training import precision
 from brickyard.training.setup import grad_sync
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
@@ -94,7 +95,8 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
                         "real_step": 1e3 * real_step, "real_sync": 1e3 * real_sync},
             "world_size": info.world_size, "per_device_batch": max(device_batches(cfg.data, t.grad_accum, info.world_size)),
             "global_batch": step_batch(cfg.data, t.grad_accum, info.world_size), "device": dev.describe(host.device),
-            "precision": host.precision, "channels_last": host.channels_last, "threads_per_process": host.threads,
+            "precision": job.precision, "precision_measured": job.measured, "channels_last": host.channels_last,
+            "threads_per_process": host.threads,
             "pinned_cpus": list(host.pinned) if host.pinned else None, "grad_sync": job.sync.name,
             "loader": type(job.loader).__name__, "model": cfg.model.name, "data": cfg.data.name, "steps": steps,
             "warmup": warmup, **dev.peak_memory(host.device),
@@ -118,7 +120,15 @@ def _job(cfg, info, host):
     prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
     n_params = sum(p.numel() for p in model.parameters())  # auto as for a run long enough to pay for compiling
     compiled = dev.resolve_compile(t.compile, device, n_params, dev.COMPILE_MIN_STEPS)
-    job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device, precision=host.precision,
+    measured = None
+    if precision.needs_measuring(t.precision, device) and data.is_images:  # as a training run chooses: rank 0 times both
+        if info.rank == 0:
+            shape = data.sample_shape or (data.in_channels, *data.image_size)
+            measured = precision.choose(model, shape, max(device_batches(cfg.data, t.grad_accum, info.world_size)),
+                                        device, host.threads, host.channels_last)
+        measured = dist.broadcast_object(measured)
+    job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device,
+                          precision=measured["chosen"] if measured else host.precision, measured=measured,
                           fwd=torch.compile(fwd) if compiled else fwd, sync=sync, model=model, optimizer=optimizer,
                           distributed=info.distributed)
     return job, data
@@ -203,7 +213,7 @@ def format_result(r: dict) -> str:
         f"{ms.get('allreduce', 0.0):.1f}) "
         f"+ optimiser {ms['optimizer']:.1f}, each timed apart (means)" + _real_step(r),
         f"verdict: {r['verdict']}",
-    ])
+    ] + ([f"precision auto: {r['precision_measured']['how']}"] if r.get("precision_measured") else []))
 
 
 def _real_step(r: dict) -> str:

@@ -64,7 +64,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def resolve_channels_last(value, precision: str, device: torch.device) -> bool:
-    if value == "auto":  # measured faster for the conv nets here on CPU (fp32 and bf16) and on GPUs
+    """``train.channels_last``; ``auto`` is on (for image data; ``training.setup`` leaves it off for
+    other inputs and under FSDP). Why a rule and not a measurement: it was faster for every conv net
+    measured, on CPU in fp32 and bf16 (+40-50%, docs/benchmarks.md) and on GPUs, and a net without
+    convolutions computes the same either way, so timing both per run would cost a second to confirm
+    what the measurements already show."""
+    if value == "auto":
         return True
     return bool(value)
 
@@ -77,7 +82,9 @@ def resolve_compile(value, device: torch.device, n_params: int, steps: int) -> b
     """``train.compile``. ``auto`` compiles where compilation can pay for itself: on CUDA, for a model of
     at least 5M parameters, in a run of at least 1,000 steps (compiling a large model takes tens of
     seconds to minutes). Never on CPUs: compiled small nets ran slower there (docs/benchmarks.md,
-    "Tried and dropped"). The GPU thresholds are a judgement, not yet a measurement of brickyard's own."""
+    "Tried and dropped"). The GPU thresholds are a judgement, not yet a measurement of brickyard's own.
+    Why not measure per run: a trial compile costs the tens of seconds it is meant to save, so the
+    answer could only come too late; ``benchmarks/gpu_check.sh`` times compiled against eager instead."""
     if value == "auto":
         return device.type == "cuda" and n_params >= COMPILE_MIN_PARAMS and steps >= COMPILE_MIN_STEPS
     return bool(value)

@@ -250,7 +250,9 @@ def grad_sync(d, model: nn.Module, device: torch.device, group=None, own_cores: 
     """(the model to call, its ``gradsync.GradSync``) for ``dist.grad_sync`` (``d`` is the config's ``dist``).
     ``auto`` takes flat on CPUs (measured faster there: no idle core to overlap with; a user's step is
     synced by brickyard after its backward too) and DDP on GPUs, with SyncBatchNorm, and for parameters
-    of several dtypes."""
+    of several dtypes. Why a rule and not a measurement: timing both would take collective steps on every
+    rank before training (DDP's buckets settle after a few), and the ordering held on every machine
+    measured (``benchmarks/cpu_scaling.py``, ``brickyard bench --devices cpu:2`` reports each part)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     fits = bool(trainable) and len({(p.dtype, p.device) for p in trainable}) == 1
     if d.grad_sync == "flat" and not fits:  # sync_bn is refused with the config
