@@ -199,3 +199,31 @@ def test_fit_checks_labels_before_training(tmp_path):
     with pytest.raises(DataError, match=r"train_data: label -1 is outside the classes 0..2"):
         fit(model, (x, y - 1), num_classes=3, run_dir=tmp_path / "b", overrides=["train.progress=none"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.3])
+def test_a_second_ctrl_c_during_shutdown_prints_nothing_more(tmp_path, gap):
+    """Ctrl-C saves a checkpoint and exits 130; a second one, at once or a moment later, ends it without a
+    traceback, and the run directory resumes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "brickyard", "train", *sets(*SYNTH, "train.epochs=400", "train.log_every=5"),
+                          "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ((run / "metrics.jsonl").is_file() and '"train"' in (run / "metrics.jsonl").read_text()):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    time.sleep(gap)
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert len(err.strip().splitlines()) <= 1, err  # "interrupted", or the checkpoint's sentence
+    assert not list(run.rglob("*.tmp"))
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=400", "train.max_steps=40"), "--run-dir", str(run), "--resume", "auto")
+    assert r.returncode == 0, r.stderr
