@@ -381,7 +381,7 @@ def _make(cls, raw, prefix: str):
 
 
 def _type_name(tp) -> str:
-    args = typing.get_args(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]  # null is the unset default: not what to write
     if args:
         return " or ".join(_type_name(a) for a in args)
     names = {type(None): "null", int: "an integer", float: "a number", bool: "true or false", str: "a string",
