@@ -50,9 +50,11 @@ def sets(*items):
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """An empty, private download cache, so tests never touch ~/.cache."""
+    """An empty, private download cache, so tests never touch ~/.cache, and no system data folder (Debian's
+    /usr/share/datasets), so the tests of downloads download."""
     d = tmp_path / "cache"
     monkeypatch.setenv("BRICKYARD_CACHE", str(d))
+    monkeypatch.setenv("BRICKYARD_SYSTEM_DATA", str(tmp_path / "no-system-data"))
     return d
 
 

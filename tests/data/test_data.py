@@ -199,3 +199,24 @@ def test_normalisation_is_the_formula_bit_for_bit_and_leaves_the_batch_alone(cha
     ref = (x.float() / 255.0 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     assert torch.equal(out, ref) and torch.equal(x, before)
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+FASHION = idx.system_data() / "fashion-mnist"
+
+
+@pytest.mark.skipif(not all(idx._find(FASHION, s) for s in idx.FILES),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_the_real_fashion_mnist_from_debian_trains_past_a_stated_accuracy(tmp_path, monkeypatch):
+    """The authors' files as Debian installs them, found without data.root and checked against the
+    published checksums; the default net, half an epoch: at least 80% test accuracy (pinned: fp32,
+    two threads, seed 0; the files are the real ones, so the figure is this data set's)."""
+    from brickyard import api
+    from brickyard.config import load_config
+    monkeypatch.setenv("BRICKYARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BRICKYARD_DATA", str(tmp_path / "nothing"))
+    cfg = load_config("mnist", ["data.name=fashion-mnist", "train.precision=fp32", "train.threads=2", "train.epochs=0.5",
+                                "train.progress=none", "train.plots=false", "train.tensorboard=false"])
+    summary = api.train_config(cfg, tmp_path / "run")
+    assert summary["data"] == "fashion-mnist" and summary["test_accuracy"] >= 0.80, summary["test_accuracy"]
+    assert not list(FASHION.glob(".*.npy"))  # the decoded cache goes to the user's cache, not the package's folder
+    assert list((tmp_path / "cache" / "fashion-mnist" / "decoded").glob("*.npy"))

@@ -52,14 +52,21 @@ def cache_dir(name: str) -> Path:
     return Path(os.environ.get("BRICKYARD_CACHE", Path.home() / ".cache" / "brickyard")) / name
 
 
+def system_data() -> Path:
+    """Where Debian's dataset packages put the authors' files (``$BRICKYARD_SYSTEM_DATA`` moves it)."""
+    return Path(os.environ.get("BRICKYARD_SYSTEM_DATA", "/usr/share/datasets"))
+
+
 def candidate_dirs(name: str, root: str | None) -> list[Path]:
     """Where ``name`` is looked for: an explicit ``root`` alone (that folder is meant, downloads go
-    there), else ``$BRICKYARD_DATA/NAME`` and the cache."""
+    there), else ``$BRICKYARD_DATA/NAME``, Debian's ``/usr/share/datasets/NAME`` (``apt-get install
+    dataset-fashion-mnist``) and the cache."""
     if root:
         return [Path(root).expanduser()]
     dirs = []
     if os.environ.get("BRICKYARD_DATA"):
         dirs.append(Path(os.environ["BRICKYARD_DATA"]).expanduser() / name)
+    dirs.append(system_data() / name)
     dirs.append(cache_dir(name))
     return dirs
 
@@ -173,7 +180,7 @@ def _cache_path(name: str, source: Path) -> Path:
     st = source.stat()
     tag = f"{source.name}.{st.st_size}.{int(st.st_mtime)}.npy"
     beside = source.parent / f".{tag}"
-    if os.access(source.parent, os.W_OK):
+    if os.access(source.parent, os.W_OK) and system_data() not in source.parents:  # never into a package's folder
         return beside
     return cache_dir(name) / "decoded" / tag
 
