@@ -265,3 +265,18 @@ def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):
     assert _ticks(0.5, 1.2, log=True) == pytest.approx([0.5, 0.7, 1.0])
     assert len(_ticks(1e-3, 1e30, log=True)) <= 7
     assert _ticks(0.0, 1.0, log=False) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+
+
+def test_predict_in_a_callback_leaves_the_model_training():
+    """A callback reading a layer's output with brickyard.predict(run.model, ...) mid-training: the
+    model comes back in train mode, on its device, with its weights."""
+    import brickyard
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Dropout(0.5), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    out = brickyard.predict(model, torch.randn(4, 1, 4, 4), outputs=["0"])
+    assert model.training and all(m.training for m in model.modules())
+    assert out["0"].shape == (4, 2, 2, 2) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.eval()
+    brickyard.predict(model, torch.randn(4, 1, 4, 4))
+    assert not model.training

@@ -75,13 +75,16 @@ def _resize(t: torch.Tensor, image_size) -> torch.Tensor:
     return out.round().clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else out
 
 
-def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu", trust_code: bool = False) -> dict[str, torch.Tensor]:
+def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
     ``nn.Module`` (then inputs are used as given).
     ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
+    ``device``: where to run (default: an ``nn.Module``'s own device, else the CPU). A module given is
+    left as it was found: on its device, in its train or eval mode (a callback may call this on
+    ``run.model`` in the middle of training).
     """
     meta = {}
     if isinstance(model_or_checkpoint, torch.nn.Module):
@@ -106,11 +109,20 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str = "cpu", trust_
             mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
             std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
             x = (xf - mean) / std
-    d = dev.resolve_device(device)
-    model = model.to(d)
+    own = next((p.device for p in model.parameters()), None) if isinstance(model_or_checkpoint, torch.nn.Module) else None
+    d = dev.resolve_device(device) if device is not None else (own or torch.device("cpu"))
+    was_training = model.training
+    if own is None or own != d:
+        model = model.to(d)
     if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
         model.eval()
-    result = forward_with_outputs(model, x.float().to(d), list(outputs))
+    try:
+        result = forward_with_outputs(model, x.float().to(d), list(outputs))
+    finally:
+        if was_training and not meta.get("normalises"):
+            model.train()
+        if own is not None and own != d:
+            model.to(own)
     logits = result["logits"].float()
     out = {"predicted": logits.argmax(1).cpu(), "probabilities": logits.softmax(1).cpu(), "logits": logits.cpu()}
     out.update({k: v.cpu() for k, v in result.items() if k != "logits"})
