@@ -291,15 +291,19 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
 
 
 def _measure_precision(req: Request, host: dev.Host, plan) -> tuple[dev.Host, dict | None]:
-    """``train.precision: auto`` on a CPU that could run either: rank 0 measures (``training.precision``)
-    and every rank takes its answer (a collective: every rank calls this, servers included)."""
+    """``train.precision: auto`` on a CPU: rank 0 decides (measuring where its CPU could run either,
+    ``training.precision``) and every rank takes its answer, so machines of different CPUs in one job
+    still agree. A collective on CPU runs: every rank calls this, servers included."""
     cfg, data = req.config, req.data
-    if not (precision.needs_measuring(cfg.train.precision, host.device) and data.is_images):
+    if cfg.train.precision != "auto" or host.device.type != "cpu":
         return host, None
-    record = None
+    decided = None
     if req.info.rank == 0:
-        shape = data.sample_shape or (data.in_channels, *data.image_size)
-        record = precision.choose(req.model, shape, plan.batches.batch_size, host.device, host.threads,
-                                  host.channels_last and data.is_images)
-    record = dist.broadcast_object(record)
-    return dataclasses.replace(host, precision=record["chosen"]), record
+        record = None
+        if precision.needs_measuring(cfg.train.precision, host.device) and data.is_images:
+            shape = data.sample_shape or (data.in_channels, *data.image_size)
+            record = precision.choose(req.model, shape, plan.batches.batch_size, host.device, host.threads,
+                                      host.channels_last and data.is_images)
+        decided = (record["chosen"] if record else host.precision, record)
+    chosen, record = dist.broadcast_object(decided)
+    return dataclasses.replace(host, precision=chosen), record
