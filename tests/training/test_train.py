@@ -192,7 +192,8 @@ def test_fit_with_user_model_and_tensors(tmp_path):
     y = (x.mean((1, 2, 3)) > 0).long()
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 2))
     summary = api.fit(model, (x, y), val_data=(x[:64], y[:64]), test_data=(x[:64], y[:64]),
-                      config={"train": {"epochs": 3, "device": "cpu", "progress": "none"}, "data": {"batch_size": 32}},
+                      config={"train": {"epochs": 3, "device": "cpu", "progress": "none"}, "data": {"batch_size": 32},
+                              "optim": {"lr": 0.02}},  # a dict config gets torch's Adam (lr 1e-3): this one states its rate
                       run_dir=tmp_path / "fit")
     assert summary["test_accuracy"] > 0.8 and (tmp_path / "fit" / "summary.json").is_file()
 
