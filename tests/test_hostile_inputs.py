@@ -227,3 +227,24 @@ def test_a_second_ctrl_c_during_shutdown_prints_nothing_more(tmp_path, gap):
     assert not list(run.rglob("*.tmp"))
     r = run_cli("train", *sets(*SYNTH, "train.epochs=400", "train.max_steps=40"), "--run-dir", str(run), "--resume", "auto")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("error", ["MemoryError('cannot allocate 40 GB')", "torch.OutOfMemoryError('CUDA out of memory')",
+                                   "TypeError('a bug')"])
+def test_a_failure_while_building_the_model_is_one_line(tmp_path, error):
+    """Out of memory while the model is built (before a run can explain it) is one sentence, exit 1; a bug
+    there is one line naming the file that holds its traceback."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom brickyard import models\n"
+            f"def build(*a, **k):\n    raise {error}\nmodels.build = build\n"
+            "from brickyard.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "train", *sets(*SYNTH), "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    if "a bug" in error:
+        assert lines[0].startswith("error: brickyard crashed (TypeError: a bug); the traceback is in ")
+        assert "a bug" in Path(lines[0].split("the traceback is in ")[1].split(";")[0]).read_text()
+    else:
+        assert lines[0].startswith("error: out of ") and "memory" in lines[0]

@@ -84,7 +84,15 @@ def main(argv=None) -> int:
             where = f"{printable(e.filename)}: " if e.filename else ""
             print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
         return 1
+    except MemoryError as e:  # the host's memory, before a run could explain it (building a model, loading data)
+        if dist.prints_errors():
+            print(f"error: out of host memory ({_first_line(e)}); try a smaller model, data.batch_size or "
+                  f"data.cache: none.", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001  a bug of brickyard's (or torch's): one line here, the traceback kept
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, outside a run (the run explains its own)
+            print(f"error: out of memory ({_first_line(e)}); try a smaller model or data.batch_size.", file=sys.stderr)
+            return 1
         where = getattr(e, "logged_in", None) or [_save_traceback(e)]
         print(f"error: brickyard crashed ({type(e).__name__}: {_first_line(e)}); the traceback is in "
               f"{' and '.join(where)}; please report it.", file=sys.stderr)
