@@ -131,7 +131,7 @@ class RunDir:
     def holds_run(self) -> bool:
         return (self.path / "metrics.jsonl").is_file() or any((self.path / "checkpoints").glob("step-*.pt"))
 
-    def check_start(self, resume: str | None, restarting: bool, source: Path | None = None) -> None:
+    def check_start(self, resume: str | None, restarting: bool) -> None:
         """Before anything in the directory is opened: a fresh run needs a directory without a run, and a
         ``config.yaml`` here must be brickyard's."""
         if not self.owner:
