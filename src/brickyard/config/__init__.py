@@ -17,6 +17,7 @@ from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, Data
                                      DistConfig, FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig,
                                      ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, build, cross_check,
                                      per_device_wins, switch_optimiser)
+from brickyard.config.schema import MAX_BASES, MAX_BYTES, MAX_DEPTH, bounded
 from brickyard.errors import ConfigError
 from brickyard.files import write_atomic, write_if_changed
 
@@ -34,31 +35,6 @@ def list_presets() -> dict[str, str]:
         first = path.read_text().splitlines()[0]
         out[path.stem] = first.lstrip("# ").strip()
     return out
-
-
-# what a config may hold: far more than any real one, far less than what hangs or overflows the stack
-MAX_BYTES, MAX_VALUES, MAX_DEPTH, MAX_BASES = 1 << 20, 100_000, 32, 16
-
-
-def bounded(value, where: str):
-    """``value`` (parsed YAML) if it holds at most ``MAX_VALUES`` values nested at most ``MAX_DEPTH`` deep,
-    counting what YAML aliases repeat as often as they are repeated (an alias bomb expands to billions);
-    else a ``ConfigError``. Walks without recursion and stops at the first bound."""
-    stack, seen = [(value, 0)], 0
-    while stack:
-        node, depth = stack.pop()
-        seen += 1
-        if seen > MAX_VALUES:
-            raise ConfigError(f"{where}: more than {MAX_VALUES:,} values (YAML aliases that repeat a large part?); "
-                              f"a config is a few hundred.")
-        if depth > MAX_DEPTH:
-            raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-            stack.extend((k, depth + 1) for k in node if isinstance(k, (tuple, list, dict)))
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1) for v in node)
-    return value
 
 
 def parse_yaml(text: str, where: str):

@@ -324,7 +324,7 @@ def build(raw: dict, overrides: list[str] | tuple = (), notes: list | None = Non
             value = text
         except RecursionError:
             raise ConfigError(f"--set {key.strip()}: the value is nested too deeply.") from None
-        _nesting(value, f"--set {key.strip()}")
+        bounded(value, f"--set {key.strip()}")
         if key.strip() == "optim.name" and isinstance(raw.get("optim"), dict):
             switch_optimiser(raw["optim"], value, {k.split(".", 1)[1] for k in keys if k.startswith("optim.")}, "--set", notes)
         node = raw
@@ -341,16 +341,29 @@ def build(raw: dict, overrides: list[str] | tuple = (), notes: list | None = Non
     return cfg
 
 
-def _nesting(value, where: str, limit: int = 32) -> None:
-    stack = [(value, 0)]
+# what a config may hold: far more than any real one, far less than what hangs or overflows the stack
+MAX_BYTES, MAX_VALUES, MAX_DEPTH, MAX_BASES = 1 << 20, 100_000, 32, 16
+
+
+def bounded(value, where: str):
+    """``value`` (parsed YAML: a file, or a ``--set`` value) if it holds at most ``MAX_VALUES`` values nested
+    at most ``MAX_DEPTH`` deep, counting what YAML aliases repeat as often as they are repeated (an alias
+    bomb expands to billions); else a ``ConfigError``. Walks without recursion and stops at the first bound."""
+    stack, seen = [(value, 0)], 0
     while stack:
         node, depth = stack.pop()
-        if depth > limit:
-            raise ConfigError(f"{where}: the value is nested more than {limit} levels deep.")
-        if isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1) for v in node[:10_000])
-        elif isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in list(node.values())[:10_000])
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ConfigError(f"{where}: more than {MAX_VALUES:,} values (YAML aliases that repeat a large part?); "
+                              f"a config is a few hundred.")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node if isinstance(k, (tuple, list, dict)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node)
+    return value
 
 
 def _make(cls, raw, prefix: str):

@@ -41,10 +41,15 @@ BAD_IMAGE = (UnidentifiedImageError, Image.DecompressionBombError, OSError, Synt
              MemoryError)
 
 
+def why_bad(e: BaseException) -> str:
+    """What a decode failure (one of ``BAD_IMAGE``) says in a sentence."""
+    if isinstance(e, Image.DecompressionBombError):
+        return "a decompression bomb: its header claims more pixels than Pillow decodes"
+    return f"{type(e).__name__}: {str(e).strip()[:120]}"
+
+
 def bad_image(path: Path, e: BaseException) -> DataError:
-    reason = "a decompression bomb: its header claims more pixels than Pillow decodes" \
-        if isinstance(e, Image.DecompressionBombError) else f"{type(e).__name__}: {str(e).strip()[:120]}"
-    return DataError(f"{printable(path)} is unreadable or truncated ({reason}); fix or delete it, or set "
+    return DataError(f"{printable(path)} is unreadable or truncated ({why_bad(e)}); fix or delete it, or set "
                      f"data.skip_bad_images: true.")
 
 

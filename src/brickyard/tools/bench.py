@@ -120,16 +120,8 @@ def _job(cfg, info, host):
     prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
     n_params = sum(p.numel() for p in model.parameters())  # auto as for a run long enough to pay for compiling
     compiled = dev.resolve_compile(t.compile, device, n_params, dev.COMPILE_MIN_STEPS)
-    chosen, measured = host.precision, None
-    if t.precision == "auto" and device.type == "cpu":  # as a training run chooses: rank 0 decides, measuring
-        decided = None
-        if info.rank == 0:
-            if precision.needs_measuring(t.precision, device) and data.is_images:
-                shape = data.sample_shape or (data.in_channels, *data.image_size)
-                measured = precision.choose(model, shape, max(device_batches(cfg.data, t.grad_accum, info.world_size)),
-                                            device, host.threads, host.channels_last)
-            decided = (measured["chosen"] if measured else host.precision, measured)
-        chosen, measured = dist.broadcast_object(decided)
+    chosen, measured = precision.decide(t.precision, model, data, max(device_batches(cfg.data, t.grad_accum, info.world_size)),
+                                        host, info.rank)  # as a training run chooses
     job = SimpleNamespace(batches=_endless(loader), loader=loader, prep=prep, device=device, precision=chosen,
                           measured=measured,
                           fwd=torch.compile(fwd) if compiled else fwd, sync=sync, model=model, optimizer=optimizer,

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from brickyard.errors import BrickyardError, DataError
-from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8
+from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
@@ -60,9 +60,7 @@ def _read_image(path: Path, in_channels: int, image_size) -> torch.Tensor:
         im = Image.fromarray(pixels).convert("L" if in_channels == 1 else "RGB")
         arr = np.asarray(im.resize((image_size[1], image_size[0]), Image.BILINEAR), dtype=np.uint8)
     except BAD_IMAGE as e:
-        reason = "a decompression bomb: its header claims more pixels than Pillow decodes" \
-            if isinstance(e, Image.DecompressionBombError) else str(e).strip()[:160] or type(e).__name__
-        raise DataError(f"{printable(path)} is not a readable image ({reason}).") from None
+        raise DataError(f"{printable(path)} is not a readable image ({why_bad(e)}).") from None
     t = torch.from_numpy(arr.copy())
     return t[None] if t.dim() == 2 else t.permute(2, 0, 1)
 

@@ -3,8 +3,9 @@
 ``Checkpoints`` is that owner: ``state(run)`` is what a checkpoint holds (weights, optimiser, scaler,
 RNG, callbacks' state, the best metric, the step, the config and the model's metadata);
 ``save(run, metric)`` writes ``step-N.pt`` (and ``best.pt`` when the metric is the best so far) and
-rotates old steps away; ``find(resume, ...)`` picks the checkpoint a run continues from, and
-``restore(run, ...)`` puts everything back. The ``Checkpointing`` callback only decides when.
+rotates old steps away; ``restore(run, path, state)`` puts everything back, and the module's
+``find(resume, ...)`` picks the checkpoint a run continues from. The ``Checkpointing`` callback only
+decides when.
 
 A checkpoint is a dict of tensors and plain Python values in ``torch.save``'s zip format, written
 through ``brickyard.files.write_atomic`` (a temporary beside the target, fsync, rename), so a crash in

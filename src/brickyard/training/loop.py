@@ -247,7 +247,8 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     if req.resume and req.resume != "auto":
         rundir.check_resume_file(req.resume)  # once the file is known to be a checkpoint
     plan = setup.plan(cfg, req.data, info, run_dir)  # batches, steps and schedule: decided once, here
-    host, measured = _measure_precision(req, host, plan)
+    chosen, measured = precision.decide(cfg.train.precision, req.model, req.data, plan.batches.batch_size, host, info.rank)
+    host = dataclasses.replace(host, precision=chosen)
     if plan.serves(info.rank):  # a parameter server: it serves until the trainers are done
         setup.serve(req, host, plan, log)
         return {}
@@ -288,22 +289,3 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
     dist.barrier()
     return summary
-
-
-def _measure_precision(req: Request, host: dev.Host, plan) -> tuple[dev.Host, dict | None]:
-    """``train.precision: auto`` on a CPU: rank 0 decides (measuring where its CPU could run either,
-    ``training.precision``) and every rank takes its answer, so machines of different CPUs in one job
-    still agree. A collective on CPU runs: every rank calls this, servers included."""
-    cfg, data = req.config, req.data
-    if cfg.train.precision != "auto" or host.device.type != "cpu":
-        return host, None
-    decided = None
-    if req.info.rank == 0:
-        record = None
-        if precision.needs_measuring(cfg.train.precision, host.device) and data.is_images:
-            shape = data.sample_shape or (data.in_channels, *data.image_size)
-            record = precision.choose(req.model, shape, plan.batches.batch_size, host.device, host.threads,
-                                      host.channels_last and data.is_images)
-        decided = (record["chosen"] if record else host.precision, record)
-    chosen, record = dist.broadcast_object(decided)
-    return dataclasses.replace(host, precision=chosen), record

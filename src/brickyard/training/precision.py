@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from brickyard.data.idx import cache_dir
+from brickyard.distributed import process as dist
 from brickyard.files import write_json
 from brickyard.training import device as dev
 
@@ -36,6 +37,23 @@ MAX_BATCH = 256        # the measured batch: the run's per-device batch, at most
 def needs_measuring(precision: str, device: torch.device) -> bool:
     forced = os.environ.get("BRICKYARD_CPU_BF16", "").strip() in ("0", "1")
     return precision == "auto" and device.type == "cpu" and not forced and dev.bf16_supported(device)
+
+
+def decide(setting: str, model, data, batch: int, host, rank: int) -> tuple[str, dict | None]:
+    """The precision every rank of a CPU job trains in, and what was measured (None when nothing was):
+    rank 0 decides, measuring where its CPU could run either, and hands the answer to every rank, so
+    machines of different CPUs in one job agree. A collective on CPU runs with ``auto`` (every rank calls
+    it); elsewhere ``host.precision`` as ``training.device`` resolved it."""
+    if setting != "auto" or host.device.type != "cpu":
+        return host.precision, None
+    decided = None
+    if rank == 0:
+        record = None
+        if needs_measuring(setting, host.device) and data.is_images:
+            shape = data.sample_shape or (data.in_channels, *data.image_size)
+            record = choose(model, shape, batch, host.device, host.threads, host.channels_last)
+        decided = (record["chosen"] if record else host.precision, record)
+    return dist.broadcast_object(decided)
 
 
 def cpu_model() -> str:
