@@ -7,10 +7,12 @@ one-cycle schedule (25% rising) over 1.25 epochs, validation on 10,000 images at
 epoch and of the run, the test set at the end. The peers:
 
 - **PyTorch Lightning**: a `LightningModule` (`training_step`, `validation_step`, `test_step`,
-  `configure_optimizers` with `OneCycleLR` stepped per batch) and `Trainer(max_steps=...)`, the data as
-  `DataLoader(TensorDataset(...), batch_size=256, shuffle=True)`, as Lightning's docs write it;
-- **Accelerate**: `Accelerator()` and `accelerator.prepare(model, optimizer, loader, scheduler)`, a plain
-  loop with `accelerator.backward(loss)`, as Accelerate's docs write it.
+  `configure_optimizers` returning `{"optimizer", "lr_scheduler": {"scheduler", "interval": "step"}}`, the
+  dict form of `lightning/pytorch/core/module.py` 2.6.6, `configure_optimizers` docstring, lines 990-1017,
+  whose "interval" steps `OneCycleLR` per batch) and `Trainer(max_steps=...)`, the data as
+  `DataLoader(TensorDataset(...), batch_size=256, shuffle=True)`;
+- **Accelerate**: `Accelerator()` and `accelerator.prepare(model, optimizer, loader, scheduler)` (accelerate
+  1.15.0 `accelerator.py`, `prepare` at line 1415), a plain loop with `accelerator.backward(loss)` (line 2829).
 
 Each row times the whole command (process start to exit), the training loop (the steps only: from the
 start of an epoch to its last step, evaluation excluded, as brickyard's `train_seconds`) and reads the
