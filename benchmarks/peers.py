@@ -3,7 +3,7 @@ framework's users write it, run interleaved with `brickyard train` on the same m
 
 The recipe is the `mnist` preset's: the mnist_fast net, MNIST normalised (0.1307, 0.3081), 50,000
 training images, batch 256, Adam lr 0.02 betas (0.7, 0.9), cross-entropy with label smoothing 0.1, a
-one-cycle schedule (25% rising) over 1.25 epochs, validation on 10,000 images at the end of each
+one-cycle schedule (25% rising) over 1.5 epochs, validation on 10,000 images at the end of each
 epoch and of the run, the test set at the end. The peers:
 
 - **PyTorch Lightning**: a `LightningModule` (`training_step`, `validation_step`, `test_step`,
@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 STEPS_PER_EPOCH = math.ceil(50000 / 256)
-TOTAL = math.ceil(1.25 * STEPS_PER_EPOCH)
+TOTAL = math.ceil(1.5 * STEPS_PER_EPOCH)
 
 def mnist():
     root = Path(os.environ["BRICKYARD_DATA"]) / "mnist"

@@ -8,7 +8,7 @@ test set. No validation, checkpoints, logs or
 plots. `benchmarks/time_to_accuracy.py --plain` times it from process start to its printed result,
 interleaved with `brickyard train`, so both meet the same machine.
 
-    python benchmarks/plain_reference.py [--epochs 1.25] [--precision auto|fp32|bf16] [--device cpu|cuda]
+    python benchmarks/plain_reference.py [--epochs 1.5] [--precision auto|fp32|bf16] [--device cpu|cuda]
 """
 import argparse
 import gzip
@@ -50,7 +50,7 @@ def net():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=float, default=1.25)
+    p.add_argument("--epochs", type=float, default=1.5)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))

@@ -72,6 +72,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
     data = from_user(train_data, val_data, test_data, num_classes, model)
+    models.initialise(model, cfg.model.init)
     run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
@@ -88,7 +89,7 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
     run_dir = Path(run_dir) if run_dir else default_path(cfg.preset)
-    meta = {"name": cfg.model.name, "registry": True, "options": {"patch_size": cfg.model.patch_size} if cfg.model.patch_size else {}}
+    meta = {"name": cfg.model.name, "registry": True, "options": models.architecture(cfg.model)}
     ft = cfg.finetune
     if pretrained.is_named(ft.init_from) and pretrained.model_for(ft.init_from) != cfg.model.name:
         raise ConfigError(f"finetune.init_from: {ft.init_from} holds the weights of {pretrained.model_for(ft.init_from)}; "

@@ -114,7 +114,7 @@ def test_a_data_folder_named_like_the_preset_does_not_hide_it(tmp_path, monkeypa
     from conftest import run_cli
     (tmp_path / "mnist").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert load_config(None).preset == load_config("mnist").preset == "mnist" and load_config("mnist").train.epochs == 1.25
+    assert load_config(None).preset == load_config("mnist").preset == "mnist" and load_config("mnist").train.epochs == 1.5
     (tmp_path / "mine.yaml").write_text("train:\n  epochs: 3\n")
     assert load_config("mine.yaml").train.epochs == 3
     with pytest.raises(ConfigError, match="neither a YAML file nor a preset"):

@@ -85,9 +85,11 @@ class ProgressLog(Callback):
         epoch = round(run.step / run.steps_per_epoch, 4)
         hint = None
         if r["accuracy"] is not None and train_acc is not None:
-            hint = fit_hint(train_acc, r["accuracy"]) if count >= MIN_HINT_IMAGES else None
+            mixed = run.config.data.mixup > 0 or run.config.data.cutmix > 0  # accuracy on mixed images says little
+            hint = fit_hint(train_acc, r["accuracy"]) if count >= MIN_HINT_IMAGES and not mixed else None
             run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f} acc {r['accuracy']:.4f} "
-                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f} (last {int(count):,} training images)"
+                         f"top5 {r['top5']:.4f}; train acc {train_acc:.4f} (last {int(count):,} training images"
+                         f"{', mixed: against the larger share' if mixed else ''})"
                          + (f"; {hint}" if hint else ""))
         else:
             run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f}")

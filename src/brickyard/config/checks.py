@@ -24,6 +24,16 @@ def cross_check(cfg) -> None:
     b, o = cfg.boost, cfg.optim
     if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    if cfg.data.rand_augment:
+        from brickyard.data.randaugment import parse
+        parse(cfg.data.rand_augment)
+    if cfg.model.init != "default":
+        from brickyard.models import initialise
+        from torch import nn
+        initialise(nn.Linear(1, 1), cfg.model.init)  # the value's syntax, on a layer of one weight
+    for item in cfg.finetune.freeze:
+        if str(item).startswith("all_but_last") and not str(item).partition(":")[2].strip().isdigit():
+            raise ConfigError(f"finetune.freeze: {item!r}: write all_but_last:N, N the number of layers left to train.")
     for key in ("train_transforms", "eval_transforms"):
         specs = tuple(getattr(cfg.data, key))
         if specs != ("auto",):

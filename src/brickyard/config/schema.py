@@ -54,6 +54,10 @@ class DataConfig:
     pin_memory: bool = _opt(True)
     augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
     shift: int = _opt(2, min=0, max=16, doc="pixels for shift / crop augmentation")
+    rand_augment: str = _opt("", doc="RandAugment policy, timm's semantics: n2-m9 (2 operations per image, magnitude 9 of 10) or timm's rand-m9-mstd0.5; empty: off")
+    random_erasing: float = _opt(0.0, min=0.0, max=1.0, doc="probability of erasing one rectangle of an image with noise (timm's --reprob, pixel mode)")
+    mixup: float = _opt(0.0, min=0.0, max=100.0, doc="mixup Beta alpha, e.g. 0.2 (timm's --mixup); 0 = off; targets become class probabilities")
+    cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
@@ -72,6 +76,9 @@ class ModelConfig:
     num_classes: int = _opt(0, min=0, doc="0 = from the data set")
     in_channels: int = _opt(0, min=0, doc="0 = from the data set")
     patch_size: int = _opt(0, min=0, doc="vit_*: patch side in pixels (0 = auto: 4 for 28-32 px, 8 for 64 px, 16 for 224 px)")
+    drop_path: float = _opt(0.0, min=0.0, max=0.95, doc="stochastic depth for the ResNets and ViTs: the last block's rate, rising linearly from 0 over the blocks (timm's --drop-path)")
+    init: str = _opt("default", doc="weight initialisation of every conv and linear layer (biases zero): default (the model's own), normal:STD, xavier, xavier_normal, kaiming, kaiming_uniform")
+    head: str = _opt("default", choices=("default", "linear"), doc="vgg16: linear replaces the three-layer 4096-unit classifier with one linear layer on globally pooled features")
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,7 @@ class DistConfig:
 class FinetuneConfig:
     init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors), or published weights: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16")
     reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
-    freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*]")
+    freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*], or all_but_last:N (every layer but the last N that hold parameters)")
     head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")
 
 

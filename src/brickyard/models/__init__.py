@@ -57,7 +57,7 @@ def _takers(key: str) -> list[str]:
     return [n for n, (f, _) in _REGISTRY.items() if key in inspect.signature(f).parameters]
 
 
-NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28),
+NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28), "fashion_fast": (1, 28),
                  "resnet18": (3, 32)}  # the rest are ImageNet layouts: 3 x 224 x 224
 
 
@@ -90,9 +90,54 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def build(cfg, data):
-    """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``)."""
-    return create(cfg.model.name, cfg.model.num_classes or data.num_classes,
-                  cfg.model.in_channels or data.in_channels, data.image_size, patch_size=cfg.model.patch_size)
+    """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``), its
+    weights initialised as ``model.init`` says."""
+    m = cfg.model
+    model = create(m.name, m.num_classes or data.num_classes, m.in_channels or data.in_channels, data.image_size,
+                   patch_size=m.patch_size, drop_path=m.drop_path, head=None if m.head == "default" else m.head)
+    return initialise(model, m.init)
+
+
+def architecture(m) -> dict:
+    """The ``model.*`` options (of a ``ModelConfig``) that change a model's layers, as a checkpoint's
+    ``meta["options"]`` records them to rebuild it (drop path and init change no layer)."""
+    options = {"patch_size": m.patch_size, "head": None if m.head == "default" else m.head}
+    return {k: v for k, v in options.items() if v}
+
+
+INITS = ("default", "normal:STD", "xavier", "xavier_normal", "kaiming", "kaiming_uniform")
+
+
+def initialise(model: nn.Module, how: str) -> nn.Module:
+    """Re-initialise every convolution's and linear layer's weights as ``how`` says (``model.init``) and
+    their biases to zero; ``default`` keeps the model's own. ``normal:STD`` is d2l's ``normal(0, STD)``,
+    ``xavier`` Keras's default (Glorot uniform), ``kaiming`` He normal for ReLU (fan-in), as torch.nn.init."""
+    how = str(how).strip()
+    if how == "default":
+        return model
+    name, _, arg = how.partition(":")
+    if name == "normal":
+        try:
+            std = float(arg)
+        except ValueError:
+            std = -1.0
+        if not 0 < std < 100:
+            raise ConfigError(f"model.init: {how!r}: give the standard deviation, e.g. normal:0.01.")
+        fill = lambda w: nn.init.normal_(w, 0.0, std)  # noqa: E731
+    else:
+        fills = {"xavier": nn.init.xavier_uniform_, "xavier_normal": nn.init.xavier_normal_,
+                 "kaiming": lambda w: nn.init.kaiming_normal_(w, nonlinearity="relu"),
+                 "kaiming_uniform": lambda w: nn.init.kaiming_uniform_(w, nonlinearity="relu")}
+        if name not in fills or arg:
+            raise ConfigError(f"model.init: {how!r} is not one of {', '.join(INITS)}.")
+        fill = fills[name]
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+                fill(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+    return model
 
 
 # the repeated blocks of each model family: what activation checkpointing recomputes and FSDP shards one by one

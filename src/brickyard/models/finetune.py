@@ -65,6 +65,25 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
+def layers(model: nn.Module) -> list[str]:
+    """The model's layers as Keras counts them for freezing: the modules that hold parameters of their
+    own, in the order they were defined (``named_modules``)."""
+    return [name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+def all_but_last(model: nn.Module, item: str) -> list[str]:
+    """The parameter names that ``finetune.freeze: all_but_last:N`` freezes: those of every layer but
+    the last N (``layers``)."""
+    _, _, arg = item.partition(":")
+    own = layers(model)
+    if item.partition(":")[0] != "all_but_last" or not arg.strip().isdigit() or not 1 <= int(arg) <= len(own):
+        raise ConfigError(f"finetune.freeze: {item!r}: write all_but_last:N with N from 1 to {len(own)} (the layers "
+                          f"that hold parameters: {', '.join(own[-3:])} are the last three).")
+    kept = set(own[-int(arg):])
+    return [f"{layer}.{p}" if layer else p for layer in own if layer not in kept
+            for p, _ in model.get_submodule(layer).named_parameters(recurse=False)]
+
+
 def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
     """Apply ``cfg`` (a ``FinetuneConfig``) to ``model`` in place and return it."""
     head = find_head(model) if (cfg.reset_head or cfg.head_lr_mult != 1.0) else None
@@ -94,10 +113,14 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
         log.info(f"new head {head}: Linear({old.in_features} -> {num_classes}), Xavier-initialised")
     if cfg.freeze:
         names = [n for n, _ in model.named_parameters()]
-        for pattern in cfg.freeze:
+        patterns = [p for p in cfg.freeze if not str(p).startswith("all_but_last")]
+        for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 raise ConfigError(f"finetune.freeze: pattern {pattern!r} matches no parameter; names look like {', '.join(names[:4])}, ...")
-        frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.freeze)]
+        frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+        for item in cfg.freeze:
+            if str(item).startswith("all_but_last"):
+                frozen += [n for n in all_but_last(model, str(item)) if n not in frozen]
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
@@ -106,5 +129,5 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and own_params and not any(p.requires_grad for p in own_params):
                 m.register_forward_pre_hook(_keep_eval)
         log.info(f"frozen: {len(frozen)} parameter tensors ({sum(model.get_parameter(n).numel() for n in frozen):,} values) "
-                 f"matching {', '.join(cfg.freeze)}")
+                 f"by {', '.join(cfg.freeze)}")
     return model

@@ -8,12 +8,13 @@ from __future__ import annotations
 from torch import nn
 
 from brickyard.models import register
+from brickyard.models.droppath import branch, rates
 
 
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, inplanes, planes, stride=1, downsample=None):
+    def __init__(self, inplanes, planes, stride=1, downsample=None, drop_path=None):
         super().__init__()
         self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -21,17 +22,18 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = downsample
+        self.drop_path = drop_path or nn.Identity()
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + identity)
+        return self.relu(self.drop_path(self.bn2(self.conv2(out))) + identity)
 
 
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, inplanes, planes, stride=1, downsample=None):
+    def __init__(self, inplanes, planes, stride=1, downsample=None, drop_path=None):
         super().__init__()
         self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -41,18 +43,21 @@ class Bottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(planes * 4)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
+        self.drop_path = drop_path or nn.Identity()
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        return self.relu(self.bn3(self.conv3(out)) + identity)
+        return self.relu(self.drop_path(self.bn3(self.conv3(out))) + identity)
 
 
 class ResNet(nn.Module):
-    def __init__(self, block, layers, num_classes=1000, in_channels=3, small_input=False):
+    def __init__(self, block, layers, num_classes=1000, in_channels=3, small_input=False, drop_path=0.0):
         super().__init__()
         self.inplanes = 64
+        self._rates = iter(rates(drop_path, sum(layers)))
+        self._index = 0
         if small_input:
             self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
             self.maxpool = nn.Identity()
@@ -67,6 +72,7 @@ class ResNet(nn.Module):
         self.layer4 = self._layer(block, 512, layers[3], 2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(512 * block.expansion, num_classes)
+        del self._rates, self._index
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -78,10 +84,14 @@ class ResNet(nn.Module):
                 nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride, bias=False),
                 nn.BatchNorm2d(planes * block.expansion),
             )
-        layers = [block(self.inplanes, planes, stride, downsample)]
+        layers = [block(self.inplanes, planes, stride, downsample, self._branch())]
         self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        layers += [block(self.inplanes, planes, drop_path=self._branch()) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
+
+    def _branch(self):
+        self._index += 1
+        return branch(next(self._rates), self._index)
 
     def forward(self, x):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -90,15 +100,15 @@ class ResNet(nn.Module):
 
 
 @register("resnet18", "ResNet-18 for small images (3x3 stem, stride 1, no max-pool)")
-def resnet18(num_classes=10, in_channels=3, image_size=(32, 32)):
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels, small_input=True)
+def resnet18(num_classes=10, in_channels=3, image_size=(32, 32), drop_path=0.0):
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels, small_input=True, drop_path=drop_path)
 
 
 @register("resnet18_imagenet", "ResNet-18, ImageNet layout (torchvision key names)")
-def resnet18_imagenet(num_classes=1000, in_channels=3, image_size=(224, 224)):
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels)
+def resnet18_imagenet(num_classes=1000, in_channels=3, image_size=(224, 224), drop_path=0.0):
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels, drop_path=drop_path)
 
 
 @register("resnet50", "ResNet-50, ImageNet layout (torchvision key names)")
-def resnet50(num_classes=1000, in_channels=3, image_size=(224, 224)):
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, in_channels)
+def resnet50(num_classes=1000, in_channels=3, image_size=(224, 224), drop_path=0.0):
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, in_channels, drop_path=drop_path)

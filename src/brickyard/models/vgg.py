@@ -9,7 +9,7 @@ CFG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512
 
 
 class VGG(nn.Module):
-    def __init__(self, num_classes=1000, in_channels=3):
+    def __init__(self, num_classes=1000, in_channels=3, head="default"):
         super().__init__()
         layers, c = [], in_channels
         for v in CFG16:
@@ -19,6 +19,10 @@ class VGG(nn.Module):
                 layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
                 c = v
         self.features = nn.Sequential(*layers)
+        if head == "linear":  # one linear layer on the globally pooled 512 features
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.classifier = nn.Sequential(nn.Linear(512, num_classes))
+            return
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
             nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(),
@@ -31,5 +35,5 @@ class VGG(nn.Module):
 
 
 @register("vgg16", "VGG-16, ImageNet layout (torchvision key names)")
-def vgg16(num_classes=1000, in_channels=3, image_size=(224, 224)):
-    return VGG(num_classes, in_channels)
+def vgg16(num_classes=1000, in_channels=3, image_size=(224, 224), head="default"):
+    return VGG(num_classes, in_channels, head)

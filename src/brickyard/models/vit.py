@@ -15,6 +15,7 @@ from torch import nn
 
 from brickyard.errors import ConfigError
 from brickyard.models import register
+from brickyard.models.droppath import branch, rates
 
 AUTO_PATCHES = (16, 14, 8, 7, 4, 2)
 
@@ -32,23 +33,25 @@ def auto_patch(image_size: tuple[int, int]) -> int:
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0, drop_path: float = 0.0, index: int = 0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.drop_path1 = branch(drop_path, 2 * index + 1)  # timm's Block: one for each residual branch
+        self.drop_path2 = branch(drop_path, 2 * index + 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop_path1(self.attn(h, h, h, need_weights=False)[0])
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
 class ViT(nn.Module):
     def __init__(self, num_classes: int, in_channels: int, image_size: tuple[int, int], patch_size: int = 0,
-                 dim: int = 192, depth: int = 12, heads: int = 3, mlp_ratio: float = 4.0):
+                 dim: int = 192, depth: int = 12, heads: int = 3, mlp_ratio: float = 4.0, drop_path: float = 0.0):
         super().__init__()
         patch = patch_size or auto_patch(image_size)
         if any(s % patch for s in image_size):
@@ -58,7 +61,7 @@ class ViT(nn.Module):
         self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
-        self.blocks = nn.Sequential(*[Block(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[Block(dim, heads, mlp_ratio, p, i) for i, p in enumerate(rates(drop_path, depth))])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, num_classes)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
@@ -75,10 +78,10 @@ class ViT(nn.Module):
 
 
 @register("vit_tiny", "vision transformer, dim 192, 12 blocks, 3 heads (timm's vit_tiny); model.patch_size, auto by image size")
-def vit_tiny(num_classes, in_channels, image_size, patch_size=0):
-    return ViT(num_classes, in_channels, image_size, patch_size, dim=192, depth=12, heads=3)
+def vit_tiny(num_classes, in_channels, image_size, patch_size=0, drop_path=0.0):
+    return ViT(num_classes, in_channels, image_size, patch_size, dim=192, depth=12, heads=3, drop_path=drop_path)
 
 
 @register("vit_small", "vision transformer, dim 384, 12 blocks, 6 heads (timm's vit_small); model.patch_size, auto by image size")
-def vit_small(num_classes, in_channels, image_size, patch_size=0):
-    return ViT(num_classes, in_channels, image_size, patch_size, dim=384, depth=12, heads=6)
+def vit_small(num_classes, in_channels, image_size, patch_size=0, drop_path=0.0):
+    return ViT(num_classes, in_channels, image_size, patch_size, dim=384, depth=12, heads=6, drop_path=drop_path)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from brickyard import models
 from brickyard.data import build_data
-from brickyard.data.augment import DevicePrep
+from brickyard.data import augment
 from brickyard.data.loaders import device_batches, make_train_loader, step_batch
 from brickyard.distributed import gradsync
 from brickyard.distributed import process as dist
@@ -117,7 +117,7 @@ def _job(cfg, info, host):
     optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     fwd, sync = grad_sync(cfg.dist, model, device, own_cores=host.own_cores) if info.distributed else (model, gradsync.GradSync())
     loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
-    prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, host.channels_last, device, t.seed)
+    prep = augment.build(cfg, data, device, host.channels_last, t.seed, info.world_size)
     n_params = sum(p.numel() for p in model.parameters())  # auto as for a run long enough to pay for compiling
     compiled = dev.resolve_compile(t.compile, device, n_params, dev.COMPILE_MIN_STEPS)
     chosen, measured = precision.decide(t.precision, model, data, max(device_batches(cfg.data, t.grad_accum, info.world_size)),
@@ -136,7 +136,7 @@ def _timed_step(job, step: int, comm: bool) -> tuple[float, ...]:
     does) and the all-reduce alone (the flat sync itself; for DDP one flat buffer, as its buckets)."""
     t0 = time.perf_counter()
     x, y, n_global, offset = next(job.batches)
-    x = job.prep(x, step, n_global, offset)
+    x, y = job.prep.train(x, y, step, n_global, offset)
     _sync(job.device)
     t1 = time.perf_counter()
     with (nullcontext() if comm else job.sync.skip()):

@@ -24,7 +24,7 @@ from brickyard.callbacks.progress import ProgressLog
 from brickyard.callbacks.test_every import TestEvery
 from brickyard.config import Config
 from brickyard.callbacks.watching import Histograms, Watching
-from brickyard.data.augment import DevicePrep
+from brickyard.data import augment
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
 from brickyard.distributed import fsdp, gradsync
 from brickyard.distributed import parameter_server as ps
@@ -142,7 +142,7 @@ def build_run(req: Request, host, log, the_plan: Plan) -> Run:
     engine.update = _update_strategy(run, the_plan.layout, groups, ps_group)
     engine.loader = make_train_loader(data.train, cfg.data, device, the_plan.data_world, info.rank, t.seed, t.grad_accum)
     _check_image_features(cfg, data)
-    engine.prep = DevicePrep(data.mean, data.std, cfg.data.augment, cfg.data.shift, channels_last, device, t.seed)
+    engine.prep = augment.build(cfg, data, device, channels_last, t.seed, the_plan.data_world, group)
     return run
 
 

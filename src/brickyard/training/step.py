@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brickyard.data.augment import DROP_PATH, draw_seed
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, user_code_error
+from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import is_classification
 from brickyard.optim import l1_penalty, set_lr
@@ -66,6 +68,8 @@ class Totals:
         self.count, self.group, self.classify = 0, group, None
 
     def add(self, loss_sum: torch.Tensor, out: torch.Tensor | None, y: torch.Tensor) -> None:
+        if out is not None and y.dim() == 2 and y.is_floating_point() and y.shape == out.shape:
+            y = y.argmax(1)  # mixed targets (class probabilities): accuracy against the larger share
         self.loss.add_(loss_sum.detach())
         if self.classify is None:
             self.classify = out is not None and is_classification(out, y)
@@ -95,11 +99,13 @@ def optimizer_step(run, batches, totals: Totals) -> StepResult:
         wait = time.perf_counter()
         x, y, n_global, offset = next(batches)
         data_wait += time.perf_counter() - wait
-        x = e.prep(x, run.step * t.grad_accum + micro, n_global, offset)
+        draw = run.step * t.grad_accum + micro
+        x, y = e.prep.train(x, y, draw, n_global, offset)
         batch = (x, y, n_global)
         e.batch_weight = len(y) * e.data_world / (n_global * t.grad_accum)
         last = micro == t.grad_accum - 1
-        with contextlib.nullcontext() if last else e.grad_sync.skip():
+        with contextlib.nullcontext() if last else e.grad_sync.skip(), \
+                droppath.batch(draw_seed(t.seed, draw, DROP_PATH), n_global, offset):
             loss, out = _call_step(run, x, y)
             loss_sum = loss.detach().float() * len(y)
             if e.check_each_step and not torch.isfinite(loss_sum):
