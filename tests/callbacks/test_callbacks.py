@@ -254,3 +254,33 @@ def test_fit_under_plain_torchrun(tmp_path):
     assert all(x["group_alive"] for x in results)  # the script's own group outlives fit
     runs = list((tmp_path / "runs").iterdir())  # fit's default run directory, one for both ranks
     assert len(runs) == 1 and (runs[0] / "summary.json").is_file()
+
+
+def test_layer_outputs_are_captured_every_n_steps_and_other_steps_run_without_hooks(tmp_path):
+    from brickyard.callbacks import LayerOutputs
+
+    class Spy(brickyard.Callback):
+        """What the model looks like on the steps between captures, and brickyard.predict mid-run."""
+
+        def __init__(self):
+            self.hooked, self.modes, self.predicted = [], [], None
+
+        def on_step_end(self, run, loss):
+            self.hooked.append((run.step, sum(len(m._forward_hooks) for m in run.model.modules())))
+            if run.step == 3:
+                self.predicted = brickyard.predict(run.model, torch.zeros(4, 2))["logits"].shape
+            self.modes.append(run.model.training)
+
+    points, labels = spirals()
+    model = mlp()
+    grab, spy = LayerOutputs(["0", "4"], every=5, keep=3), Spy()
+    api.fit(model, (points, labels), config=cfg(epochs=2), callbacks=[grab, spy], run_dir=tmp_path / "r")
+    steps = 2 * 19  # 19 steps an epoch (600 points, batch 32), the last one short
+    assert sorted(grab.outputs) == [25, 30, 35] == list(range(0, steps, 5))[-3:]  # the newest 3 capture steps
+    last = max(grab.outputs)
+    assert grab.outputs[last]["0"].shape[1] == 64 and grab.outputs[last]["4"].shape[1] == 2
+    assert grab.outputs[last]["0"].device.type == "cpu" and not grab.outputs[last]["0"].requires_grad
+    assert all(hooks == 0 for _, hooks in spy.hooked)  # hooks are on for the capture step's forward pass only
+    assert all(spy.modes) and spy.predicted == (4, 2)  # predict inside a callback leaves the model training
+    with pytest.raises(Exception, match="LayerOutputs: nope match no module"):
+        api.fit(mlp(), (points, labels), config=cfg(epochs=1), callbacks=[LayerOutputs("nope")], run_dir=tmp_path / "bad")

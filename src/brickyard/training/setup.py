@@ -199,8 +199,11 @@ def _check_image_features(cfg, data) -> None:
     if data.is_images:
         return
     shape = "x".join(str(s) for s in data.sample_shape) or "a scalar"
-    if cfg.data.augment != "none":
-        raise BrickyardError(f"data.augment: {cfg.data.augment!r} works on images (N x C x H x W); these inputs are N x {shape}.")
+    d = cfg.data
+    for key, on in (("augment", d.augment != "none"), ("rand_augment", bool(d.rand_augment)),
+                    ("random_erasing", d.random_erasing > 0), ("cutmix", d.cutmix > 0)):
+        if on:
+            raise BrickyardError(f"data.{key}: {getattr(d, key)!r} works on images (N x C x H x W); these inputs are N x {shape}.")
 
 
 def callbacks_for(run: Run, metrics, tb, extra) -> CallbackList:

@@ -1,0 +1,48 @@
+"""The courses' recipes as presets: each states the course's recipe as the course's source writes it,
+and each runs (a few steps here; the measured results are in docs/benchmarks.md)."""
+import pytest
+
+from brickyard.config import load_config
+from brickyard.data import idx
+from brickyard.data.photos import make_photo_folder
+from conftest import run_cli, sets
+
+FASHION = idx.system_data() / "fashion-mnist"
+needs_fashion = pytest.mark.skipif(not all(idx._find(FASHION, s) for s in idx.FILES),
+                                   reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+QUICK = ["train.max_steps=2", "train.progress=none", "train.plots=false", "train.tensorboard=false",
+         "train.threads=2", "train.precision=fp32"]
+
+
+def test_the_course_presets_state_the_courses_recipes():
+    lenet = load_config("d2l-lenet")
+    assert (lenet.model.name, lenet.model.init, lenet.optim.name, lenet.optim.lr, lenet.data.global_batch_size,
+            lenet.train.epochs, lenet.data.name) == ("lenet", "normal:0.01", "sgd", 0.2, 256, 10, "fashion-mnist")
+    resnet = load_config("d2l-resnet18")
+    assert (resnet.model.name, resnet.model.init, resnet.optim.lr, resnet.schedule.name) == ("resnet18", "normal:0.01", 0.1, "constant")
+    keras = load_config("keras-convnet")
+    assert (keras.model.init, keras.optim.name, keras.optim.lr, keras.optim.eps, keras.data.global_batch_size) == \
+        ("xavier", "adam", 0.001, 1e-7, 32)
+    ft = load_config("d2l-finetune")
+    # d2l's lr 5e-5 and weight decay 1e-3 act on a loss summed over the batch of 128: on the mean, x128 and /128
+    assert ft.optim.lr == pytest.approx(5e-5 * 128) and ft.optim.weight_decay == pytest.approx(1e-3 / 128)
+    assert (ft.finetune.head_lr_mult, ft.finetune.reset_head, ft.finetune.init_from, ft.train.epochs) == \
+        (10, True, "torchvision:resnet18", 5)
+
+
+@needs_fashion
+@pytest.mark.parametrize("preset, extra", [("d2l-lenet", []), ("keras-convnet", []), ("fashion", []),
+                                           ("d2l-resnet18", ["data.global_batch_size=8"])])
+def test_each_fashion_course_preset_runs(tmp_path, preset, extra):
+    r = run_cli("train", preset, *sets(*QUICK, *extra), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert "test accuracy:" in r.stdout
+
+
+def test_the_fine_tuning_preset_runs_on_an_image_folder(tmp_path):
+    make_photo_folder(tmp_path / "photos", classes=2, per_class={"train": 4, "test": 2}, seed=1, min_size=240, max_size=300)
+    r = run_cli("train", "d2l-finetune", *sets(*QUICK, f"data.root={tmp_path / 'photos'}", "finetune.init_from=null",
+                                                "data.global_batch_size=4", "data.num_workers=0"),
+                "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert "new head fc: Linear(512 -> 2)" in r.stdout and "param group" in r.stdout
