@@ -1,7 +1,7 @@
 """brickyard: train image classifiers on one CPU, one GPU, the GPUs you pick, or many machines."""
 __version__ = "0.2.0"
 
-__all__ = ["fit", "predict", "load_config", "Config", "Callback", "Run", "__version__"]
+__all__ = ["fit", "launch", "predict", "load_config", "Config", "Callback", "Run", "__version__"]
 
 
 def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
@@ -11,6 +11,9 @@ def __getattr__(name):  # keep `import brickyard` (and the CLI's start-up) light
     if name == "predict":
         from brickyard.tools.predict import predict
         return predict
+    if name == "launch":  # the package brickyard.launch, callable: launch(fn, devices="cpu:2", args=())
+        import importlib
+        return importlib.import_module("brickyard.launch")
     if name == "Callback":
         from brickyard.callbacks import Callback
         return Callback

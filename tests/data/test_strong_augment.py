@@ -78,20 +78,30 @@ def _prep(**strong):
     s = augment.Strong(**strong)
     if "rand_augment" in strong:
         s.rand_augment = randaugment.RandAugment(strong["rand_augment"], (0.5, 0.5, 0.5))
-    return augment.DevicePrep((0.5,) * 3, (0.25,) * 3, "crop-flip", 2, seed=7, strong=s)
+    return augment.DevicePrep((0.5,), (0.25,), "crop-flip", 2, seed=7, strong=s)
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("name", randaugment.OPS)
+def test_every_operation_keeps_shape_and_range_grey_and_colour(name, channels):
+    x = _images(4, c=channels, seed=9).float() / 255
+    out = randaugment.FUNCTIONS[name](x.clone(), torch.tensor([9.0, 3.0, 10.0, 0.0]), torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                                      torch.full((channels,), 0.5))
+    assert out.shape == x.shape and out.dtype == x.dtype and out.min() >= -1e-6 and out.max() <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("strong", [dict(rand_augment="n2-m9"), dict(erasing=0.5), dict(rand_augment="rand-m9-mstd0.5", erasing=0.5)])
-def test_per_image_augmentation_draws_for_the_global_batch(strong):
+def test_per_image_augmentation_draws_for_the_global_batch(strong, channels):
     """Two ranks' halves, prepared apart, are the whole batch prepared at once; the same step draws the same."""
-    x = _images(9, seed=5)
+    x = _images(9, c=channels, seed=5)
     prep = _prep(**strong)
     whole = prep(x, step=3, n_global=9)
     halves = torch.cat([prep(x[:5], step=3, n_global=9, offset=0), prep(x[5:], step=3, n_global=9, offset=5)])
-    assert whole.shape == (9, 3, 12, 10) and whole.dtype == torch.float32
+    assert whole.shape == (9, channels, 12, 10) and whole.dtype == torch.float32 and torch.isfinite(whole).all()
     assert torch.equal(whole, halves) and torch.equal(whole, prep(x, step=3, n_global=9))
     assert not torch.equal(whole, prep(x, step=4, n_global=9))
-    plain = augment.DevicePrep((0.5,) * 3, (0.25,) * 3, "crop-flip", 2, seed=7)(x, step=3, n_global=9)
+    plain = augment.DevicePrep((0.5,), (0.25,), "crop-flip", 2, seed=7)(x, step=3, n_global=9)
     assert not torch.equal(whole, plain)  # it did something
 
 
@@ -270,3 +280,17 @@ def test_mixup_works_on_any_inputs_and_the_image_augmentations_say_they_need_ima
         with pytest.raises(BrickyardError, match=f"data.{key}: .* works on images \\(N x C x H x W\\); these inputs are N x 2"):
             api.fit(model, (points, labels), config={**base, "data": {"batch_size": 32, key: value}}, run_dir=tmp_path / key)
         assert not (tmp_path / key / "checkpoints").exists()
+
+
+def test_the_strong_augmentations_train_on_an_image_folder_of_jpeg_photos(tmp_path):
+    """The streaming loader's batches (decoded by workers, uint8) go through the same device-side path."""
+    from brickyard.data.photos import make_photo_folder
+    make_photo_folder(tmp_path / "photos", classes=3, per_class={"train": 6, "test": 3}, seed=2, min_size=64, max_size=96)
+    r = run_cli("train", "mnist", *sets(
+        "data.name=imagefolder", f"data.root={tmp_path / 'photos'}", "data.train_transforms=[random_resized_crop:32, hflip]",
+        "data.eval_transforms=[resize:36, center_crop:32]", "data.global_batch_size=6", "data.num_workers=1",
+        "model.name=resnet18", "model.drop_path=0.1", "data.rand_augment=n2-m9", "data.random_erasing=0.5",
+        "data.mixup=0.2", "data.cutmix=1.0", "train.max_steps=3", "train.precision=fp32", "train.threads=2",
+        "train.progress=none", "train.plots=false", "train.tensorboard=false"), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 3

@@ -1,0 +1,81 @@
+"""``brickyard.launch(fn, devices, args)``: one process per device from a plain script or a notebook-like
+stdin session (functions in ``__main__``, nothing importable), rank 0's result back, a failing rank's
+traceback back. fp32, one thread per process, a global batch that fixes the recipe."""
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from brickyard import api
+from brickyard.config import load_config
+from brickyard.training import checkpoint
+from conftest import SYNTH
+
+CELL = textwrap.dedent("""
+    import brickyard, torch
+
+    CONFIG = {"train": {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False,
+                        "tensorboard": False, "epochs": 2, "seed": 3, "deterministic": True},
+              "data": {"global_batch_size": 50}, "optim": {"name": "momentum", "lr": 0.05}}
+
+    def points(n=500):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 2, generator=g)
+        return x, (x[:, 0] * x[:, 1] > 0).long()
+
+    def train(run_dir):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        return brickyard.fit(model, points(), config=CONFIG, run_dir=run_dir)
+
+    def fails(word):
+        import os
+        if os.environ["RANK"] == "1":
+            raise ValueError(f"rank 1 says {word}")
+        return "fine"
+""")
+
+
+def _python(code: str, cwd):
+    """``code`` fed to ``python -`` on stdin: like a notebook cell, its functions live in a ``__main__``
+    that no other interpreter could import."""
+    return subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_launch_trains_on_two_processes_from_a_notebook_like_session_and_returns_rank_0s_result(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    r = _python(CELL + textwrap.dedent(f"""
+        summary = brickyard.launch(train, devices="cpu:2", args=({str(two)!r},))
+        print("WORLD", summary["world_size"], "STEPS", summary["steps"])
+        print("ONE", train({str(one)!r})["world_size"])
+    """), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "WORLD 2 STEPS 20" in r.stdout and "ONE 1" in r.stdout
+    a = checkpoint.load(checkpoint.step_checkpoints(two / "checkpoints")[-1])["model"]
+    b = checkpoint.load(checkpoint.step_checkpoints(one / "checkpoints")[-1])["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # the same weights: one job of two processes
+
+
+def test_a_failing_rank_comes_back_with_its_traceback(tmp_path):
+    r = _python(CELL + textwrap.dedent("""
+        try:
+            brickyard.launch(fails, devices="cpu:2", args=("no",))
+        except brickyard.launch.processes.LaunchError as e:
+            print("CAUGHT", str(e))
+    """), tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "CAUGHT rank 1 failed: ValueError: rank 1 says no" in out
+    assert "rank 1's traceback:" in out and 'File "<stdin>", line 21, in fails' in out  # the user's frame
+    assert "Traceback" not in r.stderr  # torch's own dump of the same failure is not repeated
+
+
+def test_bad_devices_are_one_sentence(tmp_path):
+    import pytest
+    import brickyard
+    from brickyard.errors import BrickyardError
+    with pytest.raises(BrickyardError, match="expected cpu:N with N >= 1"):
+        brickyard.launch(print, devices="cpu:0")
+    with pytest.raises(BrickyardError, match="is not a function"):
+        brickyard.launch(42, devices="cpu:2")
