@@ -11,14 +11,15 @@ def add(sub) -> None:
                                "  brickyard export runs/a/checkpoints/best.pt --format torchscript --out digits.torchscript.pt\n"
                                "  brickyard predict digits.torchscript.pt digit.png\n", formatter_class=raw)
     ex.add_argument("source", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
-    ex.add_argument("--format", default="safetensors", choices=("safetensors", "torchscript", "torch-export"),
-                    help="safetensors: weights and metadata; torchscript / torch-export: a program that takes images in 0..1")
+    ex.add_argument("--format", default="safetensors", choices=("safetensors", "torchscript", "torch-export", "onnx"),
+                    help="safetensors: weights and metadata; torchscript / torch-export / onnx: a program that takes images in 0..1")
     ex.add_argument("--out", help="file to write (default: beside the checkpoint)")
 
 
 def run(args) -> int:
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard.tools.export import export
-    path = export(args.source, args.format, args.out)
-    print(f"wrote {path} ({args.format})")
+    notes: list[str] = []
+    path = export(args.source, args.format, args.out, notes)
+    print(f"wrote {path} ({args.format})" + "".join(f"; {n}" for n in notes))
     return 0

@@ -72,7 +72,7 @@ class ViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # N x tokens x dim
-        x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # x.shape[0]: a batch size export keeps symbolic
         x = self.norm(self.blocks(x))
         return self.head(x[:, 0])
 

@@ -7,6 +7,12 @@
   C++ included, without brickyard.
 - ``torch-export``: the same program as a ``torch.export`` graph (``torch.export.load``), where the
   model traces cleanly.
+- ``onnx``: the same program as an ONNX graph (opset ``ONNX_OPSET``, torch's dynamo-based exporter),
+  input ``images`` (N x C x H x W floats in 0..1, any N) and output ``logits``, brickyard's metadata
+  in the model's ``metadata_props``. Checked when written: onnxruntime runs a batch of another size
+  than the one exported with and its logits must match PyTorch's within ``ONNX_RTOL`` / ``ONNX_ATOL``;
+  without onnxruntime the check is skipped and the command says so. Needs the ``[onnx]`` extra
+  (onnx, onnxscript; onnxruntime for the check and for ``predict``).
 
 ``brickyard predict`` and ``brickyard.predict`` accept each of these files as well as checkpoints.
 """
@@ -23,8 +29,10 @@ from brickyard.errors import BrickyardError
 from brickyard.files import write_atomic
 from brickyard.training import checkpoint as ckpt
 
-FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2"}
+FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2", "onnx": ".onnx"}
 _META = "brickyard.json"
+ONNX_OPSET = 18
+ONNX_RTOL, ONNX_ATOL = 1e-3, 1e-4  # fp32 logits of onnxruntime against PyTorch's: kernels sum in other orders
 
 
 class Normalised(nn.Module):
@@ -40,8 +48,9 @@ class Normalised(nn.Module):
         return self.model((x - self.mean) / self.std)
 
 
-def export(source, fmt: str, out: Path | None = None) -> Path:
-    """Write ``source`` (a checkpoint or run directory) as ``fmt``; returns the file written."""
+def export(source, fmt: str, out: Path | None = None, notes: list | None = None) -> Path:
+    """Write ``source`` (a checkpoint or run directory) as ``fmt``; returns the file written. What the
+    command should say besides (the ONNX check's result) goes in ``notes``."""
     if fmt not in FORMATS:
         raise BrickyardError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
     path = ckpt.pick(Path(source))
@@ -64,16 +73,92 @@ def export(source, fmt: str, out: Path | None = None) -> Path:
             if fmt == "torchscript":
                 traced = torch.jit.trace(program, example)
                 write_atomic(out, lambda f: torch.jit.save(traced, f, _extra_files={_META: json.dumps(meta)}))
+            elif fmt == "onnx":
+                meta["opset"] = ONNX_OPSET
+                data = _onnx_bytes(program, example, meta)
+                note = _check_onnx(data, program, meta)
+                write_atomic(out, data)
+                if notes is not None:
+                    notes.append(note)
             else:
                 batch = torch.export.Dim("batch", min=1, max=1 << 16)  # any batch size, not the example's
                 ep = torch.export.export(program, (example,), dynamic_shapes=({0: batch},))
                 write_atomic(out, lambda f: torch.export.save(ep, f, extra_files={_META: json.dumps(meta)}))
-    except OSError:
-        raise  # the output cannot be written: the CLI says where and why
+    except (OSError, BrickyardError):
+        raise  # the output cannot be written, or a missing package / a failed check: the CLI says which
     except Exception as e:  # noqa: BLE001  tracing a model is where export fails, for reasons of the model's
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise BrickyardError(f"--format {fmt}: {meta['name']} could not be exported ({reason}); try --format safetensors.") from None
     return out
+
+
+def _onnx_bytes(program: nn.Module, example: torch.Tensor, meta: dict) -> bytes:
+    """The program as a serialised ONNX model with a dynamic batch axis and brickyard's metadata."""
+    try:
+        import onnx  # optional dependency, with onnxscript for torch's exporter
+        import onnxscript  # noqa: F401
+    except ImportError:
+        raise BrickyardError("--format onnx needs the onnx and onnxscript packages: pip install 'brickyard[onnx]'.") from None
+    import io
+    import logging
+    import warnings
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = torch.onnx.export(program, (example,), dynamo=True, opset_version=ONNX_OPSET, verbose=False,
+                                         input_names=["images"], output_names=["logits"],
+                                         dynamic_shapes=({0: batch},))
+            buffer = io.BytesIO()
+            exported.save(buffer)
+    finally:
+        quiet.setLevel(level)
+    proto = onnx.load_from_string(buffer.getvalue())
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = _META, json.dumps(meta)
+    return proto.SerializeToString()
+
+
+def _check_onnx(data: bytes, program: nn.Module, meta: dict) -> str:
+    """Run the ONNX model in onnxruntime on a batch of 3 (the export used 2) and compare with PyTorch;
+    a ``BrickyardError`` when they differ, the line the command prints otherwise."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "not checked: onnxruntime is not installed (pip install 'brickyard[onnx]')"
+    x = torch.rand(3, meta["in_channels"], *meta["image_size"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = program(x).numpy()
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    got = session.run(["logits"], {"images": x.numpy()})[0]
+    worst = float(abs(got - expected).max())
+    if got.shape != expected.shape or not torch.allclose(torch.from_numpy(got), torch.from_numpy(expected),
+                                                         rtol=ONNX_RTOL, atol=ONNX_ATOL):
+        raise BrickyardError(f"--format onnx: onnxruntime's logits differ from PyTorch's by up to {worst:.2g} "
+                             f"(allowed: rtol {ONNX_RTOL}, atol {ONNX_ATOL}); the file was not written.")
+    return (f"checked: onnxruntime {ort.__version__} on a batch of 3 matches PyTorch within rtol {ONNX_RTOL}, "
+            f"atol {ONNX_ATOL} (largest difference {worst:.1e}); opset {ONNX_OPSET}")
+
+
+class OnnxModel(nn.Module):
+    """An exported ONNX file run by onnxruntime, called like the program it was exported from."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise BrickyardError(f"{path}: running an ONNX model needs onnxruntime: pip install 'brickyard[onnx]'.") from None
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        props = self.session.get_modelmeta().custom_metadata_map
+        self.meta = json.loads(props.get(_META, "{}"))
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run(["logits"], {"images": x.detach().float().cpu().numpy()})[0])
 
 
 def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
@@ -87,7 +172,7 @@ def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
 
 def is_exported(path) -> bool:
     p = Path(path)
-    return p.is_file() and (p.suffix in (".safetensors", ".pt2") or p.name.endswith(".torchscript.pt"))
+    return p.is_file() and (p.suffix in (".safetensors", ".pt2", ".onnx") or p.name.endswith(".torchscript.pt"))
 
 
 def carries_code(path) -> bool:
@@ -123,6 +208,11 @@ def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
                                   **meta.get("options", {}))
             model.load_state_dict(tensors)
             return model.eval(), meta
+        if path.suffix == ".onnx":  # a graph of standard operators: data, not code brickyard would run
+            model = OnnxModel(path)
+            if not model.meta.get("name"):
+                raise BrickyardError(f"{path} is an ONNX model without brickyard's metadata; run it with onnxruntime directly.")
+            return model, model.meta
         if path.suffix == ".pt2":
             ep = torch.export.load(str(path), extra_files=extra)
             return ep.module(), json.loads(extra[_META] or "{}")
