@@ -26,6 +26,7 @@ def add(sub) -> None:
                    "the rounds' ratios, which the host's drift between runs moves less (default 1)")
     b.add_argument("--out", help="folder for bench.json and scaling.png (several specs)")
     b.add_argument("--loader", action="store_true", help="compare the in-memory and streaming loaders")
+    b.add_argument("--profile", metavar="DIR", help="also write torch.profiler traces of the first 5 timed steps (every rank) into DIR")
     b.add_argument("--nnodes", default="1", metavar="N", help="also time each spec across N machines (run the same command on each)")
     b.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous")
     b.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (with --nnodes)")
@@ -41,6 +42,10 @@ def launch_job(args, cfg):
 def run(args) -> int:
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise BrickyardError("--steps and --rounds must be at least 1 and --warmup at least 0.")
+    if args.profile:  # traced steps: the first 5 timed ones (of every spec's job), into DIR
+        first = args.warmup
+        args.overrides = list(args.overrides) + [f"train.profile_steps=[{first}, {first + min(5, args.steps)}]",
+                                                 f"train.profile_dir={Path(args.profile).expanduser().resolve()}"]
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
     cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)

@@ -24,6 +24,11 @@ def cross_check(cfg) -> None:
     b, o = cfg.boost, cfg.optim
     if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    steps = tuple(cfg.train.profile_steps)
+    if steps and (len(steps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)
+                  or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):
+        raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] step numbers, first < last, "
+                          f"at most 1,000 steps apart, e.g. [10, 15].")
     if cfg.data.rand_augment:
         from brickyard.data.randaugment import parse
         parse(cfg.data.rand_augment)

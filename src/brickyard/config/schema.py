@@ -173,6 +173,8 @@ class TrainConfig:
     ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
     max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
     csv_log: bool = _opt(False, doc="also write RUN_DIR/metrics.csv, one row per validation")
+    profile_steps: tuple = _opt((), doc="[a, b]: record steps a to b - 1 with torch.profiler (CPU operators; CUDA kernels on GPUs) into train.profile_dir, for TensorBoard's profile plugin or Chrome's trace viewer")
+    profile_dir: Union[str, None] = _opt(None, doc="where profile traces go (default RUN_DIR/profile)")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from brickyard.distributed import process as dist
 from brickyard.distributed.flat import flatten
 from brickyard.errors import BrickyardError
 from brickyard.observe.plots import scaling
+from brickyard.observe.profiling import StepProfiler
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import device as dev
 from brickyard.training import precision
@@ -71,7 +72,18 @@ def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
         # pass A skips the gradient sync in the backward pass, then times the wait for the slower rank
         # and the sync apart; pass B is the real step. One process runs pass B alone.
         a = [one_step(warmup + s, False) for s in range(steps)] if info.distributed else None
-        b = [one_step(warmup + s, True) for s in range(steps)]
+        profiler = None
+        if t.profile_steps:  # `--profile DIR`: pass B's first steps, traced
+            profiler = StepProfiler(*t.profile_steps, Path(t.profile_dir or "profile"), info.rank, host.device)
+        b = []
+        for s in range(steps):
+            if profiler is not None:
+                profiler.step_start(warmup + s)
+            b.append(one_step(warmup + s, True))
+            if profiler is not None:
+                profiler.step_end(warmup + s)
+        if profiler is not None:
+            profiler.close()
         job.loader.close()
         # means, as throughput is: the tail of the waits is part of the cost
         mean = lambda rows, i: statistics.fmean(r[i] for r in rows)  # noqa: E731

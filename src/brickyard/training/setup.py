@@ -24,6 +24,7 @@ from brickyard.callbacks.progress import ProgressLog
 from brickyard.callbacks.test_every import TestEvery
 from brickyard.config import Config
 from brickyard.callbacks.watching import Histograms, Watching
+from brickyard.callbacks.profiling import Profiling
 from brickyard.data import augment
 from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader, step_batch
 from brickyard.distributed import fsdp, gradsync
@@ -221,6 +222,9 @@ def callbacks_for(run: Run, metrics, tb, extra) -> CallbackList:
         own.append(TestEvery(t.test_every, metrics, tb, evaluate_split))
     if t.histograms_every:
         own.append(Histograms(t.histograms_every, tb))
+    if t.profile_steps:
+        where = Path(t.profile_dir).expanduser() if t.profile_dir else run.run_dir / "profile"
+        own.append(Profiling(*t.profile_steps, where, run.rank, run.device))
     b = run.config.boost
     if b.snapshots.enabled:
         named = _trainable(run.model)
