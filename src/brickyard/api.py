@@ -69,6 +69,9 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     the defaults of ``run_dir``, the worker logs and ``resume``.
     """
     cfg = resolve_config(config, overrides)
+    if cfg.optim.lr == "find":
+        raise ConfigError("optim.lr: find runs the range test on the registry models of `brickyard train`; for your own "
+                          "model set optim.lr (a number).")
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
     data = from_user(train_data, val_data, test_data, num_classes, model)
@@ -83,12 +86,35 @@ def build_model(cfg: Config, data: DataBundle) -> nn.Module:
     return models.build(cfg, data)
 
 
+def found_lr(cfg: Config, run_dir=None, resume=None) -> Config:
+    """``optim.lr: find`` resolved: the rate in the run's ``config.yaml`` when resuming, else the range
+    test's suggestion (``tools.lrfind``, on every rank of the job alike), said on the console."""
+    if cfg.optim.lr != "find":
+        return cfg
+    saved = Path(run_dir) / "config.yaml" if run_dir else None
+    if resume and saved is not None and saved.is_file():
+        lr = load_config(str(saved)).optim.lr
+        if isinstance(lr, float):
+            return cfg.replace(**{"optim.lr": lr})
+    from brickyard.distributed import env as dist_info
+    from brickyard.errors import BrickyardError
+    from brickyard.tools import lrfind
+    r = lrfind.sweep(cfg.replace(**{"optim.lr": 1.0}))
+    r["configured_lr"] = None
+    if dist_info.rank_from_env() == 0:
+        print(lrfind.line(r).replace("lr-find: suggested", "optim.lr: find: the range test suggests"), flush=True)
+    if r["suggested_lr"] is None:
+        raise BrickyardError("optim.lr: find: the range test could not suggest a rate (the loss diverged at once); set optim.lr.")
+    return cfg.replace(**{"optim.lr": float(f"{r['suggested_lr']:.3g}")})
+
+
 def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
+    run_dir = Path(run_dir) if run_dir else default_path(cfg.preset)
+    cfg = found_lr(cfg, run_dir, resume)
     data = build_data(cfg.data)
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of what a seed reproduces
     model = build_model(cfg, data)
-    run_dir = Path(run_dir) if run_dir else default_path(cfg.preset)
     meta = {"name": cfg.model.name, "registry": True, "options": models.architecture(cfg.model)}
     ft = cfg.finetune
     if pretrained.is_named(ft.init_from) and pretrained.model_for(ft.init_from) != cfg.model.name:

@@ -18,7 +18,7 @@ import sys
 
 from brickyard.cli import bench, boost, data
 from brickyard.cli import eval as eval_cmd
-from brickyard.cli import export, inspect, memory, models, plot, predict, presets
+from brickyard.cli import export, inspect, lrfind, memory, models, plot, predict, presets
 from brickyard.cli import run as run_cmd
 from brickyard.cli import train
 from brickyard.distributed import env as dist
@@ -27,9 +27,9 @@ from brickyard.files import printable
 
 # the order `brickyard --help` lists them in; command name -> module of this package
 MODULES = {"train": "train", "eval": "eval", "data": "data", "plot": "plot", "inspect": "inspect", "predict": "predict",
-           "export": "export", "bench": "bench", "memory": "memory", "boost": "boost", "run": "run",
+           "export": "export", "bench": "bench", "lr-find": "lrfind", "memory": "memory", "boost": "boost", "run": "run",
            "models": "models", "presets": "presets"}
-_ADDERS = (train, eval_cmd, data, plot, inspect, predict, export, bench, memory, boost, run_cmd, models, presets)
+_ADDERS = (train, eval_cmd, data, plot, inspect, predict, export, bench, lrfind, memory, boost, run_cmd, models, presets)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -110,7 +110,7 @@ USED_BY = {"sgd": ("lr", "weight_decay"), "momentum": ("lr", "momentum", "weight
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = _opt("adam", choices=tuple(CONVENTIONAL))
-    lr: Union[float, None] = _opt(None, min=0.0, doc="base (peak) learning rate; null: the optimiser's torch default (1e-3; adagrad 1e-2, adadelta 1.0)")
+    lr: Union[float, str, None] = _opt(None, min=0.0, choices_str=("find",), doc="base (peak) learning rate; null: the optimiser's torch default (1e-3; adagrad 1e-2, adadelta 1.0); find: the range test's suggestion (brickyard lr-find), run before training and written into the run's config")
     momentum: Union[float, None] = _opt(None, min=0.0, max=1.0, doc="momentum and nesterov; null: 0.9")
     weight_decay: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (0; adamw 0.01)")
     betas: Union[tuple, None] = _opt(None, doc="adam, adamw; null: torch's (0.9, 0.999)")

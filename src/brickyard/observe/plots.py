@@ -179,6 +179,20 @@ def scaling(world_sizes, images_per_second, efficiency, path: Path) -> Path:
     return path
 
 
+def lr_finder(lrs, losses, index, path: Path) -> Path:
+    """``lr-find``'s plot: the smoothed loss against log10 of the rate, the suggestion marked."""
+    img = Image.new("RGB", (640, 360), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(11)
+    ax = _Axes(d, (70, 28, 610, 300), "learning rate (log10)", "smoothed training loss")
+    ax.plot([math.log10(v) for v in lrs], losses, COLORS[0], "train", "smoothed loss")
+    if index is not None:
+        ax.plot([math.log10(lrs[index])], [losses[index]], COLORS[3], "test", f"suggested {lrs[index]:.3g}")
+    ax.render(font, small)
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
+    return path
+
+
 def _blue(t: float) -> tuple:
     """White to dark blue, as matplotlib's "Blues" runs."""
     a, b = (247, 251, 255), (8, 48, 107)
