@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q "torch>=2.4"
 	$(PY) -m pip install -q -e '.[test,viz]'
 	$(PY) -m pip install -q -e '.[onnx]' || echo "the [onnx] extra could not be installed: the ONNX tests will skip"
+	$(PY) -m pip install -q -e '.[mlflow,wandb]' || echo "the [mlflow,wandb] extras could not be installed: the tracker tests will skip"
 	touch $@
 
 demo: $(VENV)/.installed

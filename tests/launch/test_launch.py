@@ -5,12 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
-from brickyard import api
-from brickyard.config import load_config
 from brickyard.training import checkpoint
-from conftest import SYNTH
 
 CELL = textwrap.dedent("""
     import brickyard, torch

@@ -29,6 +29,9 @@ def cross_check(cfg) -> None:
                   or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):
         raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] step numbers, first < last, "
                           f"at most 1,000 steps apart, e.g. [10, 15].")
+    for name in cfg.train.loggers:
+        if name not in ("tensorboard", "csv", "mlflow", "wandb"):
+            raise ConfigError(f"train.loggers: {name!r} is not one of tensorboard, csv, mlflow, wandb.")
     if cfg.data.rand_augment:
         from brickyard.data.randaugment import parse
         parse(cfg.data.rand_augment)

@@ -160,7 +160,8 @@ class TrainConfig:
     threads: int = _opt(0, min=0, max=1024, doc="CPU intra-op threads per process (0 = cores / local processes)")
     pin_cpus: bool = _opt(False, doc="CPU runs of several local processes: keep each on its own cores (measured: no gain with grad_sync flat)")
     tune_allocator: bool = _opt(True, doc="CPU runs on Linux: keep freed memory in glibc's heap instead of returning it each step")
-    tensorboard: bool = _opt(True, doc="write TensorBoard event files into the run directory")
+    loggers: tuple = _opt(("tensorboard",), doc="where metrics go besides metrics.jsonl: any of tensorboard, csv (RUN_DIR/metrics.csv), mlflow (MLFLOW_TRACKING_URI), wandb (WANDB_MODE, WANDB_PROJECT); rank 0")
+    tensorboard: bool = _opt(True, doc="false drops tensorboard from train.loggers (kept for one version: use train.loggers)")
     plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
     histograms_every: int = _opt(0, min=0, doc="steps between weight/gradient histograms (0 = off)")
     watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
@@ -172,9 +173,19 @@ class TrainConfig:
     early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
     ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
     max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
-    csv_log: bool = _opt(False, doc="also write RUN_DIR/metrics.csv, one row per validation")
+    csv_log: bool = _opt(False, doc="true adds csv to train.loggers (kept for one version: use train.loggers)")
     profile_steps: tuple = _opt((), doc="[a, b]: record steps a to b - 1 with torch.profiler (CPU operators; CUDA kernels on GPUs) into train.profile_dir, for TensorBoard's profile plugin or Chrome's trace viewer")
     profile_dir: Union[str, None] = _opt(None, doc="where profile traces go (default RUN_DIR/profile)")
+
+
+def loggers(t) -> set[str]:
+    """The loggers a ``TrainConfig`` asks for: ``train.loggers`` with the older switches applied."""
+    chosen = set(t.loggers)
+    if not t.tensorboard:
+        chosen.discard("tensorboard")
+    if t.csv_log:
+        chosen.add("csv")
+    return chosen
 
 
 @dataclass(frozen=True)

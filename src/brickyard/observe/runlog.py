@@ -28,11 +28,14 @@ class MetricsWriter:
 
     def __init__(self, path: Path | None):
         self.path, self.f, self.pending = path, None, []
+        self.listeners: list = []  # callables that see every row written (the experiment trackers)
 
     def write(self, **record) -> None:
         if self.path is None:
             return
         record.setdefault("time", round(time.time(), 3))
+        for listener in self.listeners:
+            listener(record)
         if record.get("kind") == "start":
             self.pending.append(record)
             return

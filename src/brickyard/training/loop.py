@@ -39,6 +39,8 @@ from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.files import write_json
 from brickyard.observe.runlog import MetricsWriter, env_record
+from brickyard.callbacks.trackers import Trackers, check_installed
+from brickyard.config.schema import loggers
 from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
@@ -158,6 +160,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
                   loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
+    check_installed(loggers(cfg.train))  # likewise
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)  # likewise
     if cfg.dist.strategy == "fsdp":
         find_blocks(model, cfg.dist.fsdp.blocks, "dist.fsdp.blocks")  # likewise
@@ -255,8 +258,9 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
     run = setup.build_run(req, host, log, plan)
     e = run._engine
     e.rss_at_start_mb = req.rss_at_start_mb
-    tb = TBWriter(run_dir if info.is_main else None, cfg.train.tensorboard, log.warning)
-    cbs = setup.callbacks_for(run, metrics, tb, from_config(cfg) + req.callbacks)
+    tb = TBWriter(run_dir if info.is_main else None, "tensorboard" in loggers(cfg.train), log.warning)
+    trackers = Trackers(sorted(loggers(cfg.train)), metrics)
+    cbs = setup.callbacks_for(run, metrics, tb, [trackers] + from_config(cfg) + req.callbacks)
     if found:
         e.checkpoints.restore(run, *found)
     if req.resume or info.restart_count:

@@ -1,0 +1,166 @@
+"""``Trackers``: the run in the experiment trackers teams already run, as ``train.loggers`` asks
+(``mlflow``, ``wandb``). Rank 0 only.
+
+What goes in, for each: the resolved config as parameters (flattened, ``optim.lr``), every row of
+``metrics.jsonl`` that carries numbers (train loss and accuracy at the log steps, validation and test
+metrics) with its step, and at the end the run directory's files (``config.yaml``, ``summary.json``,
+``env.json``, ``metrics.jsonl``, the plots) as artifacts. A resumed run continues the same tracker run:
+its id is kept in ``RUN_DIR/trackers.json``.
+
+- **MLflow** (``pip install 'brickyard[mlflow]'``): follows ``MLFLOW_TRACKING_URI`` (a local store
+  such as ``sqlite:///mlflow.db``, or a tracking server; MLflow 3 refuses new runs in a ``./mlruns``
+  file store) and ``MLFLOW_EXPERIMENT_NAME`` (default ``brickyard``); as Lightning's
+  ``MLFlowLogger`` and Accelerate's ``MLflowTracker`` do, through the ``mlflow`` client API.
+- **Weights & Biases** (``pip install 'brickyard[wandb]'``): ``wandb.init`` with ``resume="allow"``
+  and the saved id, so it follows ``WANDB_MODE`` (``offline`` writes under ``WANDB_DIR``, default the
+  run directory), ``WANDB_PROJECT`` (default ``brickyard``), ``WANDB_ENTITY`` and the rest of its
+  environment.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import uuid
+from pathlib import Path
+
+from brickyard.callbacks.base import Callback
+from brickyard.errors import BrickyardError, ConfigError
+from brickyard.files import write_json
+
+TRACKERS = ("mlflow", "wandb")
+_EXTRA = {"mlflow": "mlflow", "wandb": "wandb"}
+_NUMBERS = {"train": ("loss", "accuracy", "lr", "images_per_second"), "val": ("loss", "accuracy", "top5"),
+            "test": ("loss", "accuracy", "top5")}
+_ARTIFACTS = ("config.yaml", "summary.json", "env.json", "metrics.jsonl", "metrics.csv")
+
+
+def check_installed(names) -> None:
+    """One sentence naming the pip extra for a tracker whose package is missing (before the run starts)."""
+    for name in names:
+        if name in TRACKERS and importlib.util.find_spec(_EXTRA[name]) is None:
+            raise ConfigError(f"train.loggers: {name} needs the {name} package: pip install 'brickyard[{name}]'.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def metrics_of(record: dict) -> dict[str, float]:
+    """``{kind_name: value}`` of a ``metrics.jsonl`` row worth tracking (``val_accuracy``)."""
+    kind = record.get("kind")
+    return {f"{kind}_{k}": float(record[k]) for k in _NUMBERS.get(kind, ())
+            if isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)}
+
+
+class _MLflow:
+    def __init__(self, run_dir: Path, saved: str | None):
+        import mlflow
+        self.mlflow = mlflow
+        if saved:
+            self.run = mlflow.start_run(run_id=saved)
+        else:
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "brickyard"))
+            self.run = mlflow.start_run(run_name=run_dir.name)
+        self.id = self.run.info.run_id
+        self.logged = set(self.run.data.params) if saved else set()
+
+    def params(self, flat: dict) -> None:
+        # MLflow keeps a parameter's first value: a resumed run (which may train longer, log elsewhere)
+        # adds only the keys it did not log before
+        items = [(k, v) for k, v in flat.items() if k not in self.logged]
+        for i in range(0, len(items), 100):  # the REST API takes at most 100 a call
+            self.mlflow.log_params({k: str(v)[:6000] for k, v in items[i:i + 100]})
+
+    def log(self, values: dict, step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def artifact(self, path: Path) -> None:
+        self.mlflow.log_artifact(str(path))
+
+    def finish(self, ok: bool) -> None:
+        self.mlflow.end_run(status="FINISHED" if ok else "FAILED")
+
+
+class _Wandb:
+    def __init__(self, run_dir: Path, saved: str | None):
+        import wandb
+        self.wandb = wandb
+        self.id = saved or uuid.uuid4().hex[:12]  # a W&B run id: letters and digits
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brickyard"), name=run_dir.name, id=self.id,
+                              resume="allow", dir=os.environ.get("WANDB_DIR", str(run_dir)), reinit="finish_previous")
+        self.run_dir = run_dir
+
+    def params(self, flat: dict) -> None:
+        self.run.config.update(flat, allow_val_change=True)
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def artifact(self, path: Path) -> None:
+        self.run.save(str(path), base_path=str(self.run_dir.parent), policy="now")  # RUN/config.yaml: not W&B's own config.yaml
+
+    def finish(self, ok: bool) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
+
+
+def _guard(name: str, fn, *args):
+    """A tracker's call; its failure (a server gone, a full disk) is one sentence naming the tracker."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  the tracker's own reason
+        reason = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
+        raise BrickyardError(f"train.loggers: {name} failed: {reason}") from e
+
+
+class Trackers(Callback):
+    """The trackers ``names`` asks for, fed from ``metrics`` (a ``MetricsWriter``) on rank 0."""
+
+    def __init__(self, names, metrics):
+        self.names, self.metrics, self.open, self.step = [n for n in names if n in TRACKERS], metrics, [], 0
+
+    def on_train_start(self, run):
+        if run.rank != 0 or not self.names:
+            return
+        path = Path(run.run_dir) / "trackers.json"
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        kinds = {"mlflow": _MLflow, "wandb": _Wandb}
+        for name in self.names:
+            try:
+                self.open.append((name, kinds[name](Path(run.run_dir), saved.get(name))))
+            except Exception as e:  # noqa: BLE001  the tracker's own reason, in one sentence
+                reason = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
+                where = {"mlflow": f" at {os.environ.get('MLFLOW_TRACKING_URI', 'the default tracking URI')}",
+                         "wandb": f" (WANDB_MODE={os.environ.get('WANDB_MODE', 'online')})"}[name]
+                raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {reason}") from None
+        write_json(path, {**saved, **{name: t.id for name, t in self.open}})
+        flat = _flat(run.config.to_dict())
+        for name, t in self.open:
+            _guard(name, t.params, flat)
+        self.metrics.listeners.append(self.row)
+
+    def row(self, record: dict) -> None:
+        values = metrics_of(record)
+        if values and isinstance(record.get("step"), int):
+            self.step = max(self.step, record["step"])
+            for name, t in self.open:
+                _guard(name, t.log, values, self.step)
+
+    def on_train_end(self, run, summary):
+        if not self.open:
+            return
+        folder = Path(run.run_dir)
+        files = [folder / n for n in _ARTIFACTS] + sorted(folder.glob("*.png"))  # the plots
+        for name, t in self.open:
+            for f in files:
+                if f.is_file():
+                    _guard(name, t.artifact, f)
+            _guard(name, t.finish, True)
+        self.metrics.listeners.remove(self.row)
+        self.open = []
