@@ -96,6 +96,7 @@ def found_lr(cfg: Config, run_dir=None, resume=None) -> Config:
         lr = load_config(str(saved)).optim.lr
         if isinstance(lr, float):
             return cfg.replace(**{"optim.lr": lr})
+    # here, not at the top: the range test (and bench's set-up it reuses) loads only when asked for
     from brickyard.distributed import env as dist_info
     from brickyard.errors import BrickyardError
     from brickyard.tools import lrfind

@@ -61,7 +61,7 @@ def metrics_of(record: dict) -> dict[str, float]:
 
 class _MLflow:
     def __init__(self, run_dir: Path, saved: str | None):
-        import mlflow
+        import mlflow  # optional dependency (brickyard[mlflow]), loaded when a run asks for it
         self.mlflow = mlflow
         if saved:
             self.run = mlflow.start_run(run_id=saved)
@@ -90,7 +90,7 @@ class _MLflow:
 
 class _Wandb:
     def __init__(self, run_dir: Path, saved: str | None):
-        import wandb
+        import wandb  # optional dependency (brickyard[wandb]), loaded when a run asks for it
         self.wandb = wandb
         self.id = saved or uuid.uuid4().hex[:12]  # a W&B run id: letters and digits
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brickyard"), name=run_dir.name, id=self.id,

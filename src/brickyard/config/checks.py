@@ -2,6 +2,9 @@
 before any process starts, data loads or training begins. ``cross_check(cfg)`` raises ``ConfigError``."""
 from __future__ import annotations
 
+import math
+import re
+
 from brickyard.errors import ConfigError
 
 _SIZED = ("resize", "center_crop", "random_resized_crop")
@@ -16,6 +19,54 @@ def _check_transform(key: str, spec) -> None:
         return
     raise ConfigError(f"{key}: transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S "
                       f"(S a size like 224 or 28x28), hflip, grayscale, rgb.")
+
+
+def rand_augment_policy(policy: str) -> tuple[int, float, float]:
+    """``(n, m, mstd)`` of a ``data.rand_augment`` policy, timm's ``rand_augment_transform`` syntax
+    (``rand-m9-n2-mstd0.5``, the ``rand-`` prefix optional): ``n`` operations per image (default 2),
+    magnitude ``m`` out of 10 (default 10), ``mstd`` the magnitude's noise (above 100: uniform in 0-m).
+    A ``ConfigError`` naming the part otherwise."""
+    parts = str(policy).strip().split("-")
+    if parts and parts[0] == "rand":
+        parts = parts[1:]
+    n, m, mstd = 2, 10.0, 0.0
+    for part in parts:
+        match = re.fullmatch(r"(mstd|n|m)(\d+(?:\.\d+)?)", part)
+        if not match:
+            raise ConfigError(f"data.rand_augment: {policy!r}: {part!r} is not one of nN (operations per image), mM "
+                              f"(magnitude 0-10) or mstdS (the magnitude's noise), e.g. n2-m9 or rand-m9-mstd0.5.")
+        key, value = match.group(1), float(match.group(2))
+        if key == "n":
+            if not value.is_integer() or not 1 <= value <= 16:
+                raise ConfigError(f"data.rand_augment: {policy!r}: n is the number of operations per image, 1 to 16.")
+            n = int(value)
+        elif key == "m":
+            if value > 30:
+                raise ConfigError(f"data.rand_augment: {policy!r}: m is a magnitude out of 10 (at most 30).")
+            m = value
+        else:
+            mstd = math.inf if value > 100 else value
+    return n, m, mstd
+
+
+INITS = ("default", "normal:STD", "xavier", "xavier_normal", "kaiming", "kaiming_uniform")
+
+
+def init_method(how: str) -> tuple[str, float | None]:
+    """``(name, std)`` of a ``model.init`` value (``std`` for ``normal:STD`` only); a ``ConfigError`` otherwise."""
+    how = str(how).strip()
+    name, _, arg = how.partition(":")
+    if name == "normal":
+        try:
+            std = float(arg)
+        except ValueError:
+            std = -1.0
+        if not 0 < std < 100:
+            raise ConfigError(f"model.init: {how!r}: give the standard deviation, e.g. normal:0.01.")
+        return name, std
+    if name not in ("default", "xavier", "xavier_normal", "kaiming", "kaiming_uniform") or arg:
+        raise ConfigError(f"model.init: {how!r} is not one of {', '.join(INITS)}.")
+    return name, None
 
 
 def cross_check(cfg) -> None:
@@ -33,12 +84,8 @@ def cross_check(cfg) -> None:
         if name not in ("tensorboard", "csv", "mlflow", "wandb"):
             raise ConfigError(f"train.loggers: {name!r} is not one of tensorboard, csv, mlflow, wandb.")
     if cfg.data.rand_augment:
-        from brickyard.data.randaugment import parse
-        parse(cfg.data.rand_augment)
-    if cfg.model.init != "default":
-        from brickyard.models import initialise
-        from torch import nn
-        initialise(nn.Linear(1, 1), cfg.model.init)  # the value's syntax, on a layer of one weight
+        rand_augment_policy(cfg.data.rand_augment)
+    init_method(cfg.model.init)
     for item in cfg.finetune.freeze:
         if str(item).startswith("all_but_last") and not str(item).partition(":")[2].strip().isdigit():
             raise ConfigError(f"finetune.freeze: {item!r}: write all_but_last:N, N the number of layers left to train.")

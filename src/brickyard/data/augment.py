@@ -15,8 +15,10 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 
+from brickyard.data.randaugment import RandAugment
 from brickyard.errors import DataError
 
 # what each augmentation's generator is seeded with, apart from the run's seed and the step
@@ -189,14 +191,13 @@ def _global_batch(x: torch.Tensor, y: torch.Tensor, strong: Strong, n_global: in
     """The whole global batch of prepared images and one-hot targets, on every rank (itself with one)."""
     if strong.world <= 1:
         return x, y
-    import torch.distributed as tdist
     sizes = [n_global // strong.world + (1 if r < n_global % strong.world else 0) for r in range(strong.world)]
     longest = max(sizes)
     flat = torch.cat([x.reshape(len(x), -1), y], 1).contiguous()
     padded = torch.zeros(longest, flat.shape[1], device=x.device, dtype=flat.dtype)
     padded[:len(flat)] = flat
     parts = [torch.empty_like(padded) for _ in sizes]
-    tdist.all_gather(parts, padded, group=strong.group)
+    torch.distributed.all_gather(parts, padded, group=strong.group)
     full = torch.cat([p[:s] for p, s in zip(parts, sizes)])
     per_image = x[0].numel()
     images = full[:, :per_image].view(-1, *x.shape[1:])
@@ -211,6 +212,5 @@ def build(cfg, data, device, channels_last: bool, seed: int, world: int = 1, gro
     strong = Strong(erasing=d.random_erasing, mixup=d.mixup, cutmix=d.cutmix,
                     num_classes=cfg.model.num_classes or data.num_classes, world=world, group=group)
     if d.rand_augment:
-        from brickyard.data.randaugment import RandAugment
         strong.rand_augment = RandAugment(d.rand_augment, data.mean)
     return DevicePrep(data.mean, data.std, d.augment, d.shift, channels_last, device, seed, strong)

@@ -23,12 +23,11 @@ uniform in 0-m, as timm).
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
 
-from brickyard.errors import ConfigError
+from brickyard.config.checks import rand_augment_policy
 
 OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color", "Contrast",
        "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
@@ -36,28 +35,8 @@ LEVEL_DENOM = 10.0
 
 
 def parse(policy: str) -> tuple[int, float, float]:
-    """``(n, m, mstd)`` of a policy string; a ``ConfigError`` naming the key otherwise."""
-    parts = str(policy).strip().split("-")
-    if parts and parts[0] == "rand":
-        parts = parts[1:]
-    n, m, mstd = 2, LEVEL_DENOM, 0.0
-    for part in parts:
-        match = re.fullmatch(r"(mstd|n|m)(\d+(?:\.\d+)?)", part)
-        if not match:
-            raise ConfigError(f"data.rand_augment: {policy!r}: {part!r} is not one of nN (operations per image), mM "
-                              f"(magnitude 0-10) or mstdS (the magnitude's noise), e.g. n2-m9 or rand-m9-mstd0.5.")
-        key, value = match.group(1), float(match.group(2))
-        if key == "n":
-            if not value.is_integer() or not 1 <= value <= 16:
-                raise ConfigError(f"data.rand_augment: {policy!r}: n is the number of operations per image, 1 to 16.")
-            n = int(value)
-        elif key == "m":
-            if value > 30:
-                raise ConfigError(f"data.rand_augment: {policy!r}: m is a magnitude out of 10 (at most 30).")
-            m = value
-        else:
-            mstd = math.inf if value > 100 else value
-    return n, m, mstd
+    """``(n, m, mstd)`` of a policy string (``config.checks.rand_augment_policy``)."""
+    return rand_augment_policy(policy)
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import types
 
 class _Launch(types.ModuleType):
     def __call__(self, fn, devices: str = "cpu:2", args: tuple = (), **options):
-        from brickyard.launch.processes import launch
+        from brickyard.launch.processes import launch  # lazy: `import brickyard.launch` stays torch-free
         return launch(fn, devices, args, **options)
 
 

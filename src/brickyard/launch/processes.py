@@ -48,7 +48,7 @@ def _environment(values: dict[str, str | None]):
 
 
 def _start_method(requested: str | None) -> str:
-    import torch
+    import torch  # lazy, as the module: the CLI imports brickyard.launch before a command runs
     if requested is not None:
         if requested not in ("fork", "spawn", "forkserver"):
             raise BrickyardError(f"launch: start_method {requested!r} is not one of fork, spawn, forkserver.")
@@ -86,6 +86,7 @@ def _failure(err) -> LaunchError:
 def launch(fn, devices: str = "cpu:2", args: tuple = (), *, start_method: str | None = None, timeout_s: int = 300):
     """Run ``fn(*args)`` on one process per device of ``devices`` (``cpu:N``, ``cuda``/``all``, or GPU ids
     like ``0,1``, as ``brickyard run --devices``) and return rank 0's result."""
+    # lazy: torch's launcher and brickyard's device parsing load only when a job starts
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from brickyard.config.checks import init_method
 from brickyard.errors import ConfigError
 
 _REGISTRY: dict[str, tuple[Callable[..., nn.Module], str]] = {}
@@ -105,32 +106,16 @@ def architecture(m) -> dict:
     return {k: v for k, v in options.items() if v}
 
 
-INITS = ("default", "normal:STD", "xavier", "xavier_normal", "kaiming", "kaiming_uniform")
-
-
 def initialise(model: nn.Module, how: str) -> nn.Module:
     """Re-initialise every convolution's and linear layer's weights as ``how`` says (``model.init``) and
     their biases to zero; ``default`` keeps the model's own. ``normal:STD`` is d2l's ``normal(0, STD)``,
     ``xavier`` Keras's default (Glorot uniform), ``kaiming`` He normal for ReLU (fan-in), as torch.nn.init."""
-    how = str(how).strip()
-    if how == "default":
+    name, std = init_method(how)
+    if name == "default":
         return model
-    name, _, arg = how.partition(":")
-    if name == "normal":
-        try:
-            std = float(arg)
-        except ValueError:
-            std = -1.0
-        if not 0 < std < 100:
-            raise ConfigError(f"model.init: {how!r}: give the standard deviation, e.g. normal:0.01.")
-        fill = lambda w: nn.init.normal_(w, 0.0, std)  # noqa: E731
-    else:
-        fills = {"xavier": nn.init.xavier_uniform_, "xavier_normal": nn.init.xavier_normal_,
-                 "kaiming": lambda w: nn.init.kaiming_normal_(w, nonlinearity="relu"),
-                 "kaiming_uniform": lambda w: nn.init.kaiming_uniform_(w, nonlinearity="relu")}
-        if name not in fills or arg:
-            raise ConfigError(f"model.init: {how!r} is not one of {', '.join(INITS)}.")
-        fill = fills[name]
+    fill = {"normal": lambda w: nn.init.normal_(w, 0.0, std), "xavier": nn.init.xavier_uniform_,
+            "xavier_normal": nn.init.xavier_normal_, "kaiming": lambda w: nn.init.kaiming_normal_(w, nonlinearity="relu"),
+            "kaiming_uniform": lambda w: nn.init.kaiming_uniform_(w, nonlinearity="relu")}[name]
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):

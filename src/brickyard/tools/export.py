@@ -125,7 +125,7 @@ def _onnx_bytes(program: nn.Module, example: torch.Tensor, meta: dict) -> bytes:
 def _check_onnx(data: bytes, program: nn.Module, meta: dict) -> str:
     """Run the ONNX model in onnxruntime on a batch of 3 (the export used 2) and compare with PyTorch;
     a ``BrickyardError`` when they differ, the line the command prints otherwise."""
-    try:
+    try:  # optional dependency: the check is skipped, and said, without it
         import onnxruntime as ort
     except ImportError:
         return "not checked: onnxruntime is not installed (pip install 'brickyard[onnx]')"
@@ -148,7 +148,7 @@ class OnnxModel(nn.Module):
 
     def __init__(self, path: Path):
         super().__init__()
-        try:
+        try:  # optional dependency
             import onnxruntime as ort
         except ImportError:
             raise BrickyardError(f"{path}: running an ONNX model needs onnxruntime: pip install 'brickyard[onnx]'.") from None

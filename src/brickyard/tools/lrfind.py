@@ -53,7 +53,7 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float | None, int | 
 
 def sweep(cfg, min_lr: float = MIN_LR, max_lr: float = MAX_LR, steps: int = STEPS, log=print) -> dict:
     """Run the range test in this process (one rank of a job under torchrun); every rank returns the same."""
-    from brickyard.tools.bench import _job
+    from brickyard.tools.bench import _job  # tools import each other lazily: bench imports the launch machinery
     if not 0 < min_lr < max_lr or steps < SKIP_BEGIN + SKIP_END + 2:
         raise BrickyardError(f"lr-find: needs 0 < --min-lr < --max-lr and at least {SKIP_BEGIN + SKIP_END + 2} steps.")
     info = dist.from_env()
@@ -109,5 +109,5 @@ def line(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    from brickyard.observe.plots import lr_finder
+    from brickyard.observe.plots import lr_finder  # Pillow's drawing, only when a plot is asked for
     return lr_finder(result["lrs"], result["losses"], result["index"], path)
