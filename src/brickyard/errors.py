@@ -35,6 +35,13 @@ class UserCodeError(BrickyardError):
     traceback, down to the user's line, is this exception's traceback (what Python prints from ``fit``)."""
 
 
+def reason(err: BaseException, limit: int = 200) -> str:
+    """An exception as the short reason inside one of brickyard's sentences: its first line, at most
+    ``limit`` characters, or its type's name when it says nothing."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
 def user_code_error(where: str, err: BaseException) -> UserCodeError:
     """``raise user_code_error("callback Boom.on_step_end", e) from e`` inside an ``except`` block."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"

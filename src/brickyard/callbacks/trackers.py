@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
-from brickyard.errors import BrickyardError, ConfigError
+from brickyard.errors import BrickyardError, ConfigError, reason
 from brickyard.files import write_json
 
 TRACKERS = ("mlflow", "wandb")
@@ -115,8 +115,7 @@ def _guard(name: str, fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001  the tracker's own reason
-        reason = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
-        raise BrickyardError(f"train.loggers: {name} failed: {reason}") from e
+        raise BrickyardError(f"train.loggers: {name} failed: {reason(e, 240)}") from e
 
 
 class Trackers(Callback):
@@ -135,10 +134,9 @@ class Trackers(Callback):
             try:
                 self.open.append((name, kinds[name](Path(run.run_dir), saved.get(name))))
             except Exception as e:  # noqa: BLE001  the tracker's own reason, in one sentence
-                reason = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
                 where = {"mlflow": f" at {os.environ.get('MLFLOW_TRACKING_URI', 'the default tracking URI')}",
                          "wandb": f" (WANDB_MODE={os.environ.get('WANDB_MODE', 'online')})"}[name]
-                raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {reason}") from None
+                raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {reason(e, 240)}") from None
         write_json(path, {**saved, **{name: t.id for name, t in self.open}})
         flat = _flat(run.config.to_dict())
         for name, t in self.open:

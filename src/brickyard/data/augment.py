@@ -82,8 +82,9 @@ class DevicePrep:
                 flip = torch.rand(n_all, device=x.device, generator=self.gen)[span] < 0.5
                 x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
         if train and self.strong.erasing > 0:
-            self.gen.manual_seed(draw_seed(self.seed, step, ERASING))
-            x = random_erasing(x, self.strong.erasing, self.gen, n_all, offset, draw_seed(self.seed, step, ERASING))
+            seed = draw_seed(self.seed, step, ERASING)
+            self.gen.manual_seed(seed)
+            x = random_erasing(x, self.strong.erasing, self.gen, n_all, offset, seed)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x

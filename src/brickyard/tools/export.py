@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from brickyard import models
-from brickyard.errors import BrickyardError
+from brickyard.errors import BrickyardError, reason
 from brickyard.files import write_atomic
 from brickyard.training import checkpoint as ckpt
 
@@ -87,8 +87,7 @@ def export(source, fmt: str, out: Path | None = None, notes: list | None = None)
     except (OSError, BrickyardError):
         raise  # the output cannot be written, or a missing package / a failed check: the CLI says which
     except Exception as e:  # noqa: BLE001  tracing a model is where export fails, for reasons of the model's
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise BrickyardError(f"--format {fmt}: {meta['name']} could not be exported ({reason}); try --format safetensors.") from None
+        raise BrickyardError(f"--format {fmt}: {meta['name']} could not be exported ({reason(e)}); try --format safetensors.") from None
     return out
 
 
@@ -132,8 +131,8 @@ def _check_onnx(data: bytes, program: nn.Module, meta: dict) -> str:
     x = torch.rand(3, meta["in_channels"], *meta["image_size"], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = program(x).numpy()
-    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
-    got = session.run(["logits"], {"images": x.numpy()})[0]
+    runtime = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    got = runtime.run(["logits"], {"images": x.numpy()})[0]
     worst = float(abs(got - expected).max())
     if got.shape != expected.shape or not torch.allclose(torch.from_numpy(got), torch.from_numpy(expected),
                                                          rtol=ONNX_RTOL, atol=ONNX_ATOL):
@@ -152,13 +151,13 @@ class OnnxModel(nn.Module):
             import onnxruntime as ort
         except ImportError:
             raise BrickyardError(f"{path}: running an ONNX model needs onnxruntime: pip install 'brickyard[onnx]'.") from None
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        props = self.session.get_modelmeta().custom_metadata_map
+        self.runtime = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        props = self.runtime.get_modelmeta().custom_metadata_map
         self.meta = json.loads(props.get(_META, "{}"))
         self.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.session.run(["logits"], {"images": x.detach().float().cpu().numpy()})[0])
+        return torch.from_numpy(self.runtime.run(["logits"], {"images": x.detach().float().cpu().numpy()})[0])
 
 
 def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
@@ -221,5 +220,4 @@ def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
     except BrickyardError:
         raise
     except Exception as e:  # noqa: BLE001  a damaged or foreign file
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise BrickyardError(f"{path} cannot be read as an exported brickyard model ({reason}).") from None
+        raise BrickyardError(f"{path} cannot be read as an exported brickyard model ({reason(e, 160)}).") from None

@@ -34,7 +34,7 @@ from brickyard.data import DataBundle
 from brickyard.data.loaders import check_readers
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, DataError, UserCodeError
+from brickyard.errors import BrickyardError, DataError, UserCodeError, reason
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.files import write_json
@@ -174,9 +174,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
         try:
             created = dist.init(req.info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
         except RuntimeError as e:
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise BrickyardError(f"rank {req.info.rank}: could not join the process group within dist.timeout_s="
-                                 f"{cfg.dist.timeout_s}s ({reason}).") from None
+                                 f"{cfg.dist.timeout_s}s ({reason(e)}).") from None
         try:
             req.run_dir = Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_path(cfg.preset))))
             return _run_in(req, host)
