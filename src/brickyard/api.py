@@ -143,5 +143,6 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict
     precision = dev.resolve_precision(cfg.train.precision, d)
     model.to(d)
     prep = DevicePrep(data.mean, data.std, device=d)
-    r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes)
+    r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
+                 tta=cfg.data.tta, shift=cfg.data.shift)
     return {"checkpoint": str(path), "split": split, "step": state["step"], **r}

@@ -202,7 +202,7 @@ def _check_image_features(cfg, data) -> None:
     shape = "x".join(str(s) for s in data.sample_shape) or "a scalar"
     d = cfg.data
     for key, on in (("augment", d.augment != "none"), ("rand_augment", bool(d.rand_augment)),
-                    ("random_erasing", d.random_erasing > 0), ("cutmix", d.cutmix > 0)):
+                    ("random_erasing", d.random_erasing > 0), ("cutmix", d.cutmix > 0), ("tta", d.tta != "none")):
         if on:
             raise BrickyardError(f"data.{key}: {getattr(d, key)!r} works on images (N x C x H x W); these inputs are N x {shape}.")
 
