@@ -229,13 +229,19 @@ def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
         time.sleep(0.1)
     pid = int(re.search(r"pid (\d+)", log1.read_text()).group(1))
     os.kill(pid, signal.SIGSTOP)
+    said = []
     try:
-        out, err = proc.communicate(timeout=150)
+        for line in proc.stderr:  # until the sentence: then the stopped rank is killed, as torchrun would do
+            said.append(line)     # only after waiting 30 s for it to act on its SIGTERM (a stopped process cannot)
+            if "did not complete within" in line:
+                break
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    out, rest = proc.communicate(timeout=150)
+    err = "".join(said) + rest
     assert proc.returncode != 0
     assert "did not complete within dist.timeout_s=4s; rank 1 stopped answering" in err, err[-2000:]
 
