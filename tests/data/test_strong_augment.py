@@ -15,6 +15,7 @@ from PIL import Image, ImageOps
 
 from brickyard import api, models
 from brickyard.config import load_config
+from brickyard.config.checks import rand_augment_policy
 from brickyard.data import augment, randaugment
 from brickyard.errors import ConfigError
 from brickyard.models import droppath
@@ -64,12 +65,12 @@ def test_translate_by_a_whole_number_of_pixels_moves_the_image_and_fills_with_th
 
 
 def test_rand_augment_policies_parse_as_timm_and_bad_ones_say_which_part():
-    assert randaugment.parse("n2-m9") == (2, 9.0, 0.0)
-    assert randaugment.parse("rand-m9-mstd0.5") == (2, 9.0, 0.5)
-    assert randaugment.parse("rand-n3-m7-mstd101")[2] == math.inf
+    assert rand_augment_policy("n2-m9") == (2, 9.0, 0.0)
+    assert rand_augment_policy("rand-m9-mstd0.5") == (2, 9.0, 0.5)
+    assert rand_augment_policy("rand-n3-m7-mstd101")[2] == math.inf
     for bad, says in [("n2-x9", "'x9' is not one of nN"), ("n0-m9", "1 to 16"), ("m99", "at most 30")]:
         with pytest.raises(ConfigError, match=says):
-            randaugment.parse(bad)
+            rand_augment_policy(bad)
     with pytest.raises(ConfigError, match="data.rand_augment: 'n2-q9'"):
         load_config("mnist", ["data.rand_augment=n2-q9"])  # said when the config is read, before any run starts
 

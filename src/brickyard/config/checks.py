@@ -64,7 +64,7 @@ def init_method(how: str) -> tuple[str, float | None]:
         if not 0 < std < 100:
             raise ConfigError(f"model.init: {how!r}: give the standard deviation, e.g. normal:0.01.")
         return name, std
-    if name not in ("default", "xavier", "xavier_normal", "kaiming", "kaiming_uniform") or arg:
+    if name not in INITS or arg:  # normal:STD is handled above
         raise ConfigError(f"model.init: {how!r} is not one of {', '.join(INITS)}.")
     return name, None
 

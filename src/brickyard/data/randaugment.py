@@ -34,11 +34,6 @@ OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", 
 LEVEL_DENOM = 10.0
 
 
-def parse(policy: str) -> tuple[int, float, float]:
-    """``(n, m, mstd)`` of a policy string (``config.checks.rand_augment_policy``)."""
-    return rand_augment_policy(policy)
-
-
 def _gray(x: torch.Tensor) -> torch.Tensor:
     """PIL's ``convert("L")`` (ITU-R 601-2 luma) as one channel; grey images are their own."""
     if x.shape[1] < 3:
@@ -183,7 +178,7 @@ FUNCTIONS = {"AutoContrast": _auto_contrast, "Equalize": _equalize, "Invert": _i
 class RandAugment:
     def __init__(self, policy: str, fill):
         self.policy = policy
-        self.n, self.m, self.mstd = parse(policy)
+        self.n, self.m, self.mstd = rand_augment_policy(policy)
         self.fill = torch.as_tensor(fill, dtype=torch.float32)
 
     def __call__(self, x: torch.Tensor, gen: torch.Generator, n_global: int, span: slice) -> torch.Tensor:
