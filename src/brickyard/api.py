@@ -24,6 +24,8 @@ from brickyard.training import checkpoint as ckpt
 from brickyard.training.rundir import default_path
 from brickyard.training import device as dev
 from brickyard.training.evaluation import evaluate
+from brickyard.training.memory import device_batch
+from brickyard.training.precision import for_model
 from brickyard.training.loop import train
 
 __all__ = ["fit", "resolve_config", "train_config", "build_model", "load_checkpoint_model", "evaluate_checkpoint"]
@@ -140,9 +142,12 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict
     if part is None:
         raise ConfigError(f"--split {split}: this data set has no {split} split (data.train_on_all is on?).")
     d = dev.resolve_device(device)
-    precision = dev.resolve_precision(cfg.train.precision, d)
-    model.to(d)
-    prep = DevicePrep(data.mean, data.std, device=d)
+    # channels-last and precision as the run's own test pass had them on this machine (auto: measured)
+    cl = data.is_images and dev.resolve_channels_last(cfg.train.channels_last, cfg.train.precision, d)
+    model.to(d, memory_format=torch.channels_last if cl else torch.preserve_format)
+    batch = device_batch(cfg, 1)
+    precision = for_model(cfg.train.precision, model, data, batch if batch > 1 else cfg.data.eval_batch_size, d, cl)
+    prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d)
     r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
                  tta=cfg.data.tta, shift=cfg.data.shift)
     return {"checkpoint": str(path), "split": split, "step": state["step"], **r}

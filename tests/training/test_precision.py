@@ -76,3 +76,29 @@ def test_a_run_says_what_it_measured_and_records_it(tmp_path):
     assert env["precision"] == m["chosen"] and env["cpu_model"] == m["cpu"] and m["fp32_ms"] > 0 and m["bf16_ms"] > 0
     first = (tmp_path / "r" / "train.log").read_text().splitlines()[0]
     assert f"precision {m['chosen']} (auto: measured: fp32 " in first
+
+
+def test_eval_and_the_memory_report_take_the_precision_the_run_trained_in(tmp_path, monkeypatch):
+    """A CPU with native bf16 where fp32 measured faster (the Intel Xeon without AMX), forced on any CPU: the
+    run trains in fp32, and `brickyard eval` scores it in fp32 too (its figures are the run's own, to the
+    last digit), as `brickyard memory` reports it; the rule alone would have said bf16."""
+    from brickyard import api
+    from brickyard.config import load_config
+    from brickyard.data import build_data
+    from brickyard.training import memory
+    from conftest import SYNTH
+    monkeypatch.delenv("BRICKYARD_CPU_BF16", raising=False)
+    monkeypatch.setenv("BRICKYARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision.dev, "bf16_supported", lambda device: device.type == "cpu")
+    timed = []
+    monkeypatch.setattr(precision, "_time", lambda *a: timed.append(a) or (0.010, 0.015))  # bf16 the slower
+    settings = [s for s in SYNTH if not s.startswith(("train.precision", "model.name"))] + [
+        "train.precision=auto", "model.name=mnist_cnn", "train.max_steps=4", "train.plots=false", "train.tensorboard=false"]
+    cfg = load_config("mnist", settings)
+    assert precision.dev.resolve_precision("auto", torch.device("cpu")) == "bf16"  # what the rule says
+    summary = api.train_config(cfg, tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "env.json").read_text())["precision"] == "fp32" and len(timed) == 1
+    again = api.evaluate_checkpoint(tmp_path / "r", "test", "cpu")
+    assert (again["accuracy"], again["loss"]) == (summary["test_accuracy"], pytest.approx(summary["test_loss"], rel=1e-6))
+    data = build_data(cfg.data)
+    assert memory.estimate(cfg, api.build_model(cfg, data), data, torch.device("cpu"))["precision"] == "fp32"

@@ -31,6 +31,7 @@ from brickyard.observe.metrics import fmt
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import activation_checkpointing
 from brickyard.training import device as dev
+from brickyard.training.precision import for_model
 
 STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -104,8 +105,12 @@ def _units(model, cfg) -> tuple[int, int]:
 def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compare: bool = True) -> dict:
     """``compare``: also measure the activations with checkpointing where it is off (the report's
     comparison; ``batch_size: auto`` needs only the configured run's)."""
-    precision = dev.resolve_precision(cfg.train.precision, device)  # as training resolves it (auto: bf16 where native)
-    channels_last = dev.resolve_channels_last(cfg.train.channels_last, precision, device)
+    channels_last = dev.resolve_channels_last(cfg.train.channels_last, cfg.train.precision, device)
+    # as training resolves it here: auto measured on a CPU with native bf16 (the report; recalled once a run
+    # has measured), by the rule where nothing is known yet of the batch (batch_size: auto, an error's tips)
+    batch = device_batch(cfg, world_size)
+    precision = for_model(cfg.train.precision, model, data, batch, device, channels_last) if compare and batch > 1 \
+        else dev.resolve_precision(cfg.train.precision, device)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     param_b = sum(p.numel() * p.element_size() for p in params)
@@ -128,7 +133,6 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         if checkpointing["on"]:
             act_fixed, per_sample = with_ac
     c, (h, w) = data.in_channels, data.image_size
-    batch = device_batch(cfg, world_size)
     act_b = act_fixed + per_sample * batch
     in_memory = data.in_memory and cfg.data.loader != "stream"
     data_b = sum(s.images.numel() * s.images.element_size() for s in (data.train, data.val, data.test) if s is not None and s.images is not None) \

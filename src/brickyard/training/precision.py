@@ -56,6 +56,16 @@ def decide(setting: str, model, data, batch: int, host, rank: int) -> tuple[str,
     return dist.broadcast_object(decided)
 
 
+def for_model(setting: str, model, data, batch: int, device: torch.device, channels_last: bool) -> str:
+    """``setting`` resolved outside a training job (``brickyard eval``, the memory estimate) as training
+    resolves it on this machine: on a CPU with native bf16, ``auto`` is measured (or recalled from the
+    cache, which a run on this machine has filled) for this model at ``batch``; elsewhere the rule."""
+    if needs_measuring(setting, device) and data.is_images:
+        shape = data.sample_shape or (data.in_channels, *data.image_size)
+        return choose(model, shape, batch, device, torch.get_num_threads(), channels_last)["chosen"]
+    return dev.resolve_precision(setting, device)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
