@@ -141,10 +141,11 @@ def random_erasing(x: torch.Tensor, p: float, gen: torch.Generator, n_global: in
         return x
     x = x.clone()
     noise_gen = torch.Generator(device=x.device)
+    boxes = torch.stack([top, left, bh, bw], 1).tolist()  # one conversion, not four per image
     for i in chosen:
-        t, l, hh, ww = int(top[i]), int(left[i]), int(bh[i]), int(bw[i])
+        t, l, hh, ww = boxes[i]
         noise_gen.manual_seed((noise_seed * 1_000_003 + offset + i) % (1 << 62))
-        x[i, :, t:t + hh, l:l + ww] = torch.randn(c, hh, ww, generator=noise_gen, device=x.device, dtype=x.dtype)
+        x[i].narrow(1, t, hh).narrow(2, l, ww).copy_(torch.randn(c, hh, ww, generator=noise_gen, device=x.device, dtype=x.dtype))
     return x
 
 

@@ -113,6 +113,6 @@ def fashion_fast(num_classes=10, in_channels=1, image_size=(28, 28)):
     return _pool_first(in_channels, (16, 48, 160), num_classes, image_size, last_pool=False)
 
 
-@register("fashion_wide", "fashion_fast at 32-128-256 channels (about 4x the compute): the longer Fashion-MNIST recipe's net")
+@register("fashion_wide", "conv3x3 at 32-128-256 channels, each then max-pool, batch norm and ReLU, linear 2304 -> classes: the longer Fashion-MNIST recipe's net")
 def fashion_wide(num_classes=10, in_channels=1, image_size=(28, 28)):
     return _pool_first(in_channels, (32, 128, 256), num_classes, image_size)
