@@ -106,10 +106,10 @@ def fashion_fast(num_classes=10, in_channels=1, image_size=(28, 28)):
     clothes' fine detail matters more than the digits'), then 48 and 160 channels at 14 and 7 px (155k
     parameters, 78k of them in the linear layer). Max-pool comes before batch norm and ReLU: 4,450 against
     3,000 img/s with batch norm before the pool. Widths by measured speed (batch 256, 2 cores of an Intel
-    Xeon, fp32, channels-last, last map pooled): 16-48-160 trains at about 6,400 img/s, 16-64-128 at 5,500-6,000, a 24- or
-    32-channel stem at 4,200-4,600; the widths after the stem cost little at 7 px and much at 14 px. The
-    last map is not pooled: the linear layer reads all 7 x 7 positions (+0.10 points over 20 seeds, for about
-    10% more time a step, with the flatten a view of the channels-last map)."""
+    Xeon, fp32, channels-last, last map pooled): 16-48-160 trains at about 6,400 img/s, 16-64-128 at
+    5,500-6,000, a 24- or 32-channel stem at 4,200-4,600; the widths after the stem cost little at 7 px and
+    much at 14 px. The last map is not pooled: the linear layer reads all 7 x 7 positions (+0.10 points
+    over 20 seeds, for about 10% more time a step, with the flatten a view of the channels-last map)."""
     return _pool_first(in_channels, (16, 48, 160), num_classes, image_size, last_pool=False)
 
 

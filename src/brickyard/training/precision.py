@@ -48,10 +48,7 @@ def decide(setting: str, model, data, batch: int, host, rank: int) -> tuple[str,
         return host.precision, None
     decided = None
     if rank == 0:
-        record = None
-        if needs_measuring(setting, host.device) and data.is_images:
-            shape = data.sample_shape or (data.in_channels, *data.image_size)
-            record = choose(model, shape, batch, host.device, host.threads, host.channels_last)
+        record = _measured(setting, model, data, batch, host.device, host.threads, host.channels_last)
         decided = (record["chosen"] if record else host.precision, record)
     return dist.broadcast_object(decided)
 
@@ -60,10 +57,16 @@ def for_model(setting: str, model, data, batch: int, device: torch.device, chann
     """``setting`` resolved outside a training job (``brickyard eval``, the memory estimate) as training
     resolves it on this machine: on a CPU with native bf16, ``auto`` is measured (or recalled from the
     cache, which a run on this machine has filled) for this model at ``batch``; elsewhere the rule."""
+    record = _measured(setting, model, data, batch, device, torch.get_num_threads(), channels_last)
+    return record["chosen"] if record else dev.resolve_precision(setting, device)
+
+
+def _measured(setting: str, model, data, batch: int, device: torch.device, threads: int, channels_last: bool) -> dict | None:
+    """``choose``'s record where ``setting`` is measured for image data on ``device``; None where the rule decides."""
     if needs_measuring(setting, device) and data.is_images:
         shape = data.sample_shape or (data.in_channels, *data.image_size)
-        return choose(model, shape, batch, device, torch.get_num_threads(), channels_last)["chosen"]
-    return dev.resolve_precision(setting, device)
+        return choose(model, shape, batch, device, threads, channels_last)
+    return None
 
 
 def cpu_model() -> str:
