@@ -32,15 +32,16 @@ def test_course_network_layout():
 
 
 def test_the_fashion_net_reads_its_last_map_whole_without_a_copy():
-    """fashion_fast's linear layer reads all 7 x 7 x 160 positions; the flatten is a view of a channels-last
+    """fashion_fast's linear layer reads all 7 x 7 x 128 positions; the flatten is a view of a channels-last
     map (nn.Flatten copies it), and holds the same values as nn.Flatten's in another order."""
     m = models.create("fashion_fast")
-    assert [n for n, _ in m.named_children()][-6:] == ["relu2", "conv3", "bn3", "relu3", "flatten", "fc"] and m.fc.in_features == 7840
-    x = torch.randn(3, 160, 7, 7).contiguous(memory_format=torch.channels_last)
+    assert [n for n, _ in m.named_children()][-6:] == ["relu2", "conv3", "bn3", "relu3", "flatten", "fc"] and m.fc.in_features == 6272
+    x = torch.randn(3, 128, 7, 7).contiguous(memory_format=torch.channels_last)
     flat = m.flatten(x)
-    assert flat.shape == (3, 7840) and flat.data_ptr() == x.data_ptr() and flat.is_contiguous()
+    assert flat.shape == (3, 6272) and flat.data_ptr() == x.data_ptr() and flat.is_contiguous()
     assert torch.equal(flat.sort(1).values, torch.nn.Flatten()(x).sort(1).values)
-    assert models.create("fashion_fast", image_size=(32, 32)).fc.in_features == 160 * 8 * 8
+    assert models.create("fashion_fast", image_size=(32, 32)).fc.in_features == 128 * 8 * 8
+    assert sum(p.numel() for p in m.parameters()) == 125_466
 
 
 def test_torchvision_key_names():
