@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 
-def cell(seed: int, devices: str, precision: str, extra: list[str], preset: str = "mnist") -> tuple[float, float]:
+def cell(seed: int, devices: str, precision: str, extra: list[str], preset: str = "mnist") -> tuple[float, float, float]:
+    """Test accuracy, the whole command's seconds, and the training speed in images a second (the machine's
+    speed of the moment: a shared machine's drifts, and the wall time with it)."""
     with tempfile.TemporaryDirectory() as d:
         run = Path(d) / "run"
         cmd = [sys.executable, "-m", "brickyard", "train", preset, "--devices", devices, "--run-dir", str(run),
@@ -32,7 +34,8 @@ def cell(seed: int, devices: str, precision: str, extra: list[str], preset: str 
         wall = time.perf_counter() - start
         if r.returncode != 0:
             sys.exit(f"{' '.join(cmd)}\n{r.stderr}")
-        return json.loads((run / "summary.json").read_text())["test_accuracy"], wall
+        summary = json.loads((run / "summary.json").read_text())
+        return summary["test_accuracy"], wall, summary["images_per_second"]
 
 
 def main(argv=None):
@@ -49,9 +52,10 @@ def main(argv=None):
     for precision in a.precisions:
         for devices in a.devices:
             for seed in a.seeds:
-                acc, wall = cell(seed, devices, precision, a.extra, a.preset)
-                cells.append({"seed": seed, "devices": devices, "precision": precision, "test_accuracy": acc, "wall_s": wall})
-                print(f"{precision:<5} {devices:<6} seed {seed}: {100 * acc:.2f}%  ({wall:.1f} s)", flush=True)
+                acc, wall, speed = cell(seed, devices, precision, a.extra, a.preset)
+                cells.append({"seed": seed, "devices": devices, "precision": precision, "test_accuracy": acc, "wall_s": wall,
+                              "images_per_second": speed})
+                print(f"{precision:<5} {devices:<6} seed {seed}: {100 * acc:.2f}%  ({wall:.1f} s, {speed:,.0f} img/s)", flush=True)
     print(f"\n{'':<13}" + "".join(f"seed {s:<4}" for s in a.seeds) + "  mean     min")
     for precision in a.precisions:
         for devices in a.devices:
@@ -61,7 +65,8 @@ def main(argv=None):
     accs = [c["test_accuracy"] for c in cells]
     print(f"\nall {len(accs)} cells: mean {100 * statistics.mean(accs):.2f}%, min {100 * min(accs):.2f}%, "
           f"cells below {100 * a.target:.1f}%: {sum(x < a.target for x in accs)}; whole command "
-          f"{min(c['wall_s'] for c in cells):.1f}-{max(c['wall_s'] for c in cells):.1f} s")
+          f"{min(c['wall_s'] for c in cells):.1f}-{max(c['wall_s'] for c in cells):.1f} s, training at "
+          f"{min(c['images_per_second'] for c in cells):,.0f}-{max(c['images_per_second'] for c in cells):,.0f} img/s")
     if a.json:
         Path(a.json).write_text(json.dumps(cells, indent=2))
 
