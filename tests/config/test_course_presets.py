@@ -23,6 +23,8 @@ def test_the_course_presets_state_the_courses_recipes():
     keras = load_config("keras-convnet")
     assert (keras.model.init, keras.optim.name, keras.optim.lr, keras.optim.eps, keras.data.global_batch_size) == \
         ("xavier", "adam", 0.001, 1e-7, 32)
+    # d2l and the Keras tutorial train on all 60,000 training images and report test accuracy
+    assert lenet.data.train_on_all and resnet.data.train_on_all and keras.data.train_on_all
     ft = load_config("d2l-finetune")
     # d2l's lr 5e-5 and weight decay 1e-3 act on a loss summed over the batch of 128: on the mean, x128 and /128
     assert ft.optim.lr == pytest.approx(5e-5 * 128) and ft.optim.weight_decay == pytest.approx(1e-3 / 128)
