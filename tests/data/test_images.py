@@ -83,6 +83,26 @@ def test_imagefolder_bad_inputs(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
 
 
+def test_train_on_all_on_an_image_folder_leaves_val_unread_and_refuses_a_val_fraction(tmp_path):
+    root = tmp_path / "pics"
+    for split, n in (("train", 4), ("val", 2)):
+        for c in ("cat", "dog"):
+            for i in range(n):
+                _png(root / split / c / f"{i}.png", (np.random.rand(12, 10, 3) * 255).astype(np.uint8))
+    base = load_config("mnist", IF + [f"data.root={root}", "data.eval_transforms=[resize:8x8]", "data.train_transforms=[resize:8x8]"])
+    d = build_data(base.data)
+    assert len(d.train) == 8 and len(d.val) == 4
+    d = build_data(base.replace(**{"data.train_on_all": True}).data)
+    assert len(d.train) == 8 and d.val is None
+    (root / "val").rename(root / "held")
+    assert len(build_data(base.replace(**{"data.val_fraction": 0.25}).data).train) == 6
+    with pytest.raises(ConfigError, match=r"data.train_on_all trains on every training image, so nothing is left for data.val_fraction"):
+        base.replace(**{"data.train_on_all": True, "data.val_fraction": 0.25})
+    r = run_cli("train", *sets(*IF, f"data.root={root}", "data.train_on_all=true", "data.val_fraction=0.25"), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "error: data.train_on_all" in r.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_finetune_frozen_layers_stay_bit_identical_and_head_gets_its_rate(tmp_path):
     pre = tmp_path / "pre"
     api.train_config(load_config("mnist", SYNTH + ["model.name=mnist_cnn", "train.epochs=1", "data.classes=[0, 1, 2, 3, 4]"]), pre)

@@ -94,6 +94,9 @@ def cross_check(cfg) -> None:
         if specs != ("auto",):
             for spec in specs:
                 _check_transform(f"data.{key}", spec)
+    if cfg.data.train_on_all and cfg.data.val_fraction:
+        raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
+                          f"({cfg.data.val_fraction}); set one of them.")
     g, accum = cfg.data.global_batch_size, cfg.train.grad_accum
     if g and g % accum:
         raise ConfigError(f"data.global_batch_size: {g} is not divisible by train.grad_accum ({accum}); "

@@ -298,7 +298,7 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)
     val = None
-    if (root / "val").is_dir():
+    if (root / "val").is_dir() and not cfg.train_on_all:
         vf, vl, _ = scan(root / "val", classes)
         if cfg.skip_bad_images:
             vf, vl, more = _drop_bad(vf, vl)
