@@ -120,6 +120,12 @@ def test_random_erasing_puts_one_noise_rectangle_of_2_to_33_percent_in_each_chos
     assert torch.equal(augment.random_erasing(x, 0.0, gen, 64, 0, 123), x)
     gen.manual_seed(1)
     assert torch.equal(augment.random_erasing(x, 1.0, gen, 64, 0, 123), out)
+    gen.manual_seed(1)  # the same noise in the same places whatever the memory layout, colour too
+    rgb = torch.zeros(64, 3, 12, 10)
+    plain = augment.random_erasing(rgb, 1.0, gen, 64, 0, 5)
+    gen.manual_seed(1)
+    assert torch.equal(augment.random_erasing(rgb.contiguous(memory_format=torch.channels_last), 1.0, gen, 64, 0, 5), plain)
+    assert ((plain != 0).sum((1, 2, 3)) % 3 == 0).all() and torch.equal(plain[:, 0] != 0, plain[:, 2] != 0)
 
 
 def _mixed(mixup, cutmix, n=8, seed=0):

@@ -118,35 +118,36 @@ def random_erasing(x: torch.Tensor, p: float, gen: torch.Generator, n_global: in
     the mode its ``train.py`` uses (``--remode pixel``): with probability ``p`` an image gets one rectangle of
     2-33% of its area, aspect ratio 0.3-3.3 (log-uniform), the first of ``attempts`` draws that fits strictly
     inside (``w < W and h < H``), placed uniformly, filled with per-pixel standard normal noise (the image is
-    normalised). The draws are made for the global batch at once; each image's noise comes from its own
-    seed (``noise_seed`` and its index in the global batch), so a rank draws noise only for its own images."""
+    normalised). Every draw is made for the global batch: the rectangles, and the noise of all of them at
+    once from ``noise_seed`` (in image order, each rectangle's channels, rows and columns in turn), of which
+    a rank takes its images' part; one ``masked_scatter`` writes it, no loop over the images."""
     n, c, h, w = x.shape
     dev = gen.device
-    span = slice(offset, offset + n)
-    erase = torch.rand(n_global, generator=gen, device=dev)[span] < p
-    area = torch.empty(n_global, attempts, device=dev).uniform_(0.02, 1 / 3, generator=gen)[span] * (h * w)
-    aspect = torch.empty(n_global, attempts, device=dev).uniform_(math.log(0.3), math.log(1 / 0.3), generator=gen)[span].exp()
-    top_u = torch.rand(n_global, attempts, generator=gen, device=dev)[span]
-    left_u = torch.rand(n_global, attempts, generator=gen, device=dev)[span]
+    erase = torch.rand(n_global, generator=gen, device=dev) < p
+    area = torch.empty(n_global, attempts, device=dev).uniform_(0.02, 1 / 3, generator=gen) * (h * w)
+    aspect = torch.empty(n_global, attempts, device=dev).uniform_(math.log(0.3), math.log(1 / 0.3), generator=gen).exp()
+    top_u = torch.rand(n_global, attempts, generator=gen, device=dev)
+    left_u = torch.rand(n_global, attempts, generator=gen, device=dev)
     bh = (area * aspect).sqrt().round().long()
     bw = (area / aspect).sqrt().round().long()
     fits = (bw < w) & (bh < h)
     first = fits.int().argmax(1, keepdim=True)                     # the first attempt that fits
     erase &= fits.any(1)
-    bh, bw = bh.gather(1, first).squeeze(1), bw.gather(1, first).squeeze(1)
+    bh, bw = bh.gather(1, first).squeeze(1) * erase, bw.gather(1, first).squeeze(1) * erase
     top = (top_u.gather(1, first).squeeze(1) * (h - bh + 1)).floor().long()   # randint(0, H - h), inclusive
     left = (left_u.gather(1, first).squeeze(1) * (w - bw + 1)).floor().long()
-    chosen = erase.nonzero().squeeze(1).tolist()
-    if not chosen:
+    ends = (bh * bw * c).cumsum(0)
+    if int(ends[-1]) == 0:
         return x
-    x = x.clone()
-    noise_gen = torch.Generator(device=x.device)
-    boxes = torch.stack([top, left, bh, bw], 1).tolist()  # one conversion, not four per image
-    for i in chosen:
-        t, l, hh, ww = boxes[i]
-        noise_gen.manual_seed((noise_seed * 1_000_003 + offset + i) % (1 << 62))
-        x[i].narrow(1, t, hh).narrow(2, l, ww).copy_(torch.randn(c, hh, ww, generator=noise_gen, device=x.device, dtype=x.dtype))
-    return x
+    noise = torch.randn(int(ends[-1]), generator=torch.Generator(device=dev).manual_seed(noise_seed % (1 << 62)),
+                        device=dev, dtype=x.dtype)
+    lo = int(ends[offset - 1]) if offset else 0
+    span = slice(offset, offset + n)
+    top, left, bh, bw = (t[span].to(x.device).view(n, 1, 1, 1) for t in (top, left, bh, bw))
+    rows = torch.arange(h, device=x.device).view(1, 1, h, 1)
+    cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
+    box = (rows >= top) & (rows < top + bh) & (cols >= left) & (cols < left + bw)
+    return x.masked_scatter(box.expand(n, c, h, w), noise[lo:int(ends[offset + n - 1])].to(x.device))
 
 
 def mix(x: torch.Tensor, y: torch.Tensor, strong: Strong, rng: random.Random, n_global: int, offset: int):
