@@ -136,18 +136,18 @@ def random_erasing(x: torch.Tensor, p: float, gen: torch.Generator, n_global: in
     bh, bw = bh.gather(1, first).squeeze(1) * erase, bw.gather(1, first).squeeze(1) * erase
     top = (top_u.gather(1, first).squeeze(1) * (h - bh + 1)).floor().long()   # randint(0, H - h), inclusive
     left = (left_u.gather(1, first).squeeze(1) * (w - bw + 1)).floor().long()
-    ends = (bh * bw * c).cumsum(0)
-    if int(ends[-1]) == 0:
+    starts = F.pad((bh * bw * c).cumsum(0), (1, 0))  # where each image's noise starts, and the total
+    total, lo, hi = starts[[n_global, offset, offset + n]].tolist()  # one read from the device
+    if total == 0:
         return x
-    noise = torch.randn(int(ends[-1]), generator=torch.Generator(device=dev).manual_seed(noise_seed % (1 << 62)),
+    noise = torch.randn(total, generator=torch.Generator(device=dev).manual_seed(noise_seed % (1 << 62)),
                         device=dev, dtype=x.dtype)
-    lo = int(ends[offset - 1]) if offset else 0
     span = slice(offset, offset + n)
     top, left, bh, bw = (t[span].to(x.device).view(n, 1, 1, 1) for t in (top, left, bh, bw))
     rows = torch.arange(h, device=x.device).view(1, 1, h, 1)
     cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
     box = (rows >= top) & (rows < top + bh) & (cols >= left) & (cols < left + bw)
-    return x.masked_scatter(box.expand(n, c, h, w), noise[lo:int(ends[offset + n - 1])].to(x.device))
+    return x.masked_scatter(box.expand(n, c, h, w), noise[lo:hi].to(x.device))
 
 
 def mix(x: torch.Tensor, y: torch.Tensor, strong: Strong, rng: random.Random, n_global: int, offset: int):
