@@ -141,3 +141,25 @@ def test_fsdp_keys_are_in_the_schema():
     with pytest.raises(ConfigError, match="dist.strategy"):
         build({"dist": {"strategy": "zero3"}})
     assert torch.distributed.is_available()
+
+
+
+def test_a_run_without_fsdp_never_imports_it(tmp_path):
+    """torch.distributed.fsdp and .tensor cost 0.6 s of every process's start-up (DTensor's operator
+    tables, sympy); one process trains (with EMA, which reads the fsdp helpers), resumes from a checkpoint
+    and evaluates one without them (``train.deterministic`` is off: torch.use_deterministic_algorithms
+    imports torch._inductor, which imports both)."""
+    import subprocess
+    import sys
+    run = str(tmp_path / "r")
+    plain = [s for s in BASE if s != "train.deterministic=true"] + ["train.ema=0.9"]
+    first = ["train", *sets(*plain, "train.epochs=2"), "--run-dir", run]
+    more = ["train", *sets(*plain, "train.epochs=3"), "--run-dir", run, "--resume", "auto"]
+    code = ("import sys\nfrom brickyard.cli.main import main\n"
+            f"assert main({first!r}) == 0\nassert main({more!r}) == 0\n"
+            f"assert main(['eval', {run + '/checkpoints/best.pt'!r}]) == 0\n"
+            "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resum" in r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -23,11 +23,10 @@ brickyard calls them for every run.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from brickyard.distributed.gradsync import GradSync
 from brickyard.models import find_blocks
@@ -38,6 +37,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def shard(model: nn.Module, d, precision: str, device: torch.device) -> list[str]:
     """``fully_shard`` the blocks ``d.fsdp.blocks`` picks, then the root (``d`` is the config's ``dist``);
     returns the blocks' names. Call it before the optimiser is built: the parameters are replaced."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # start-up: see _loaded
     names = find_blocks(model, d.fsdp.blocks, "dist.fsdp.blocks")
     low = _DTYPES.get(precision)
     kwargs = {
@@ -70,19 +70,33 @@ class FSDPSync(GradSync):
             self.model.set_requires_gradient_sync(True)
 
 
+def _loaded(module: str, name: str):
+    """``module.name`` when that module is imported already, else None. Every function here but ``shard``
+    is called on every run; torch.distributed.fsdp and .tensor take 0.6 s to import (DTensor's operator
+    tables, sympy), and no tensor can be a DTensor, nor a module an FSDPModule, before they are."""
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = _loaded("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
 def full(t):
     """The whole tensor of a shard (an all-gather: every rank calls it), or ``t`` itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def like(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``value`` (a full tensor) laid out as ``ref``: this rank's shard when ``ref`` is sharded (taken
     locally: every rank holds the full value), else ``value`` on ``ref``'s device."""
-    if isinstance(ref, DTensor):
+    if _is_dtensor(ref):
+        from torch.distributed.tensor import distribute_tensor  # loaded already: ref is a DTensor
         return distribute_tensor(value.to(ref.device, ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
     return value.to(ref.device)
 
@@ -119,7 +133,7 @@ def local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            local = t.to_local() if isinstance(t, DTensor) else t
+            local = t.to_local() if _is_dtensor(t) else t
             total += local.numel() * local.element_size()
     return total
 
@@ -127,7 +141,8 @@ def local_bytes(tensors) -> int:
 def held_bytes(model: nn.Module, optimizer) -> dict:
     """What this rank holds, measured from its tensors: parameters and optimiser state (gradients,
     between the backward pass and the update, take the parameters' layout)."""
-    if isinstance(model, FSDPModule):  # FSDP's root keeps its gathered parameters after an evaluation's forward
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is not None and isinstance(model, fsdp_module):  # FSDP's root keeps its gathered parameters after an evaluation's forward
         model.reshard()
     return {"parameters": local_bytes(model.parameters()),
             "optimizer_state": local_bytes(v for s in optimizer.state.values() for v in s.values())}
