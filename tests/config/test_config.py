@@ -34,10 +34,11 @@ def test_config_is_frozen():
     ("train.grad_accum=1.5", "train.grad_accum: 1.5 is not an integer"),
     ("optim=3", "optim: expected a mapping"),
     ("novalue", "expected KEY=VALUE"),
+    ("data.tta=flip-shift,data.shift=0", "data.tta: flip-shift moves each image data.shift pixels four ways, and data.shift is 0"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config("mnist", [override])
+        load_config("mnist", override.split(","))
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 

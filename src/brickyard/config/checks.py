@@ -97,6 +97,9 @@ def cross_check(cfg) -> None:
     if cfg.data.train_on_all and cfg.data.val_fraction:
         raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
                           f"({cfg.data.val_fraction}); set one of them.")
+    if cfg.data.tta == "flip-shift" and cfg.data.shift == 0:
+        raise ConfigError("data.tta: flip-shift moves each image data.shift pixels four ways, and data.shift is 0; "
+                          "set data.shift (e.g. 1), or data.tta: flip for the mirror alone.")
     g, accum = cfg.data.global_batch_size, cfg.train.grad_accum
     if g and g % accum:
         raise ConfigError(f"data.global_batch_size: {g} is not divisible by train.grad_accum ({accum}); "

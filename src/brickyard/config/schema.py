@@ -58,7 +58,7 @@ class DataConfig:
     random_erasing: float = _opt(0.0, min=0.0, max=1.0, doc="probability of erasing one rectangle of an image with noise (timm's --reprob, pixel mode)")
     mixup: float = _opt(0.0, min=0.0, max=100.0, doc="mixup Beta alpha, e.g. 0.2 (timm's --mixup); 0 = off; targets become class probabilities")
     cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
-    tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes)")
+    tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1)")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
