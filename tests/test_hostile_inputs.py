@@ -110,6 +110,8 @@ CASES = [
     ("a 2 MB config", ["train", "W/huge.yaml"], 2, "a config is a few kilobytes"),
     ("a missing config", ["train", "W/nope.yaml"], 2, "does not exist"),
     ("3,000-deep --set list", ["train", "--set", "data.classes=" + "[" * 3000 + "]" * 3000], 2, "nested too deeply"),
+    ("one class kept", ["train", "--set", "data.classes=5"], 2, "data.classes: [5] keeps one class; a classifier needs at least 2."),
+    ("a class kept twice", ["train", "--set", "data.classes=[3, 4, 3]"], 2, "data.classes: 3 is listed twice"),
     ("a 100 kB --set value", ["train", "--set", "model.name=" + "x" * 100_000], 2, "a setting is a few"),
     ("--set without =", ["train", "--set", "optim.lr"], 2, "expected KEY=VALUE"),
     ("an unknown key", ["train", "--set", "optim.lrr=1"], 2, "optim.lrr: unknown key"),

@@ -43,6 +43,15 @@ def test_bad_values_name_the_key(override, message):
     assert "\n" not in str(e.value)
 
 
+def test_one_item_where_a_list_is_expected_is_a_list_of_one():
+    cfg = load_config("mnist", ["train.loggers=csv", "finetune.freeze=all_but_last:2", "train.watch=conv*", "data.classes=[5, 6]"])
+    assert cfg.train.loggers == ("csv",) and cfg.finetune.freeze == ("all_but_last:2",) and cfg.train.watch == ("conv*",)
+    with pytest.raises(ConfigError, match=r"train.loggers: '' is not a list"):
+        load_config("mnist", ["train.loggers="])
+    with pytest.raises(ConfigError, match=r"train.profile_steps: \[5\] must be \[first, last\]"):
+        load_config("mnist", ["train.profile_steps=5"])
+
+
 def test_every_preset_loads_and_round_trips():
     names = list_presets()
     assert {"mnist", "mnist-course", "fashion-resnet18", "mnist-lenet"} <= set(names)

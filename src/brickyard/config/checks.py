@@ -97,6 +97,12 @@ def cross_check(cfg) -> None:
     if cfg.data.train_on_all and cfg.data.val_fraction:
         raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
                           f"({cfg.data.val_fraction}); set one of them.")
+    kept = list(cfg.data.classes)
+    twice = next((c for i, c in enumerate(kept) if c in kept[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"data.classes: {twice!r} is listed twice; list each class index once.")
+    if len(kept) == 1:
+        raise ConfigError(f"data.classes: {kept} keeps one class; a classifier needs at least 2.")
     if cfg.data.tta == "flip-shift" and cfg.data.shift == 0:
         raise ConfigError("data.tta: flip-shift moves each image data.shift pixels four ways, and data.shift is 0; "
                           "set data.shift (e.g. 1), or data.tta: flip for the mirror alone.")

@@ -60,7 +60,7 @@ class DataConfig:
     cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
     tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1)")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]")
+    classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]; at least 2, each once")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
     train_transforms: tuple = _opt(("auto",), doc="imagefolder training transforms; auto: small images (<= 64 px) at their own size, photos random_resized_crop:224, hflip")
     eval_transforms: tuple = _opt(("auto",), doc="imagefolder evaluation transforms; auto: small images at their own size, photos resize:256, center_crop:224")
@@ -426,6 +426,8 @@ def _type_name(tp) -> str:
 def _check(key: str, value: Any, tp, meta) -> Any:
     allowed_types = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
     coerced = _coerce(value, allowed_types)
+    if coerced is _BAD and tuple in allowed_types and isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != "":
+        coerced = (value,)  # one item where a list is expected (`--set train.loggers=csv`): a list of one
     if coerced is _BAD:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
     if isinstance(coerced, str) and tuple in allowed_types and coerced not in (meta.get("choices_str") or ()):
