@@ -52,6 +52,17 @@ def test_one_item_where_a_list_is_expected_is_a_list_of_one():
         load_config("mnist", ["train.profile_steps=5"])
 
 
+def test_name_patterns_are_names_whatever_yaml_reads():
+    """YAML reads [0, fc] as a number and a word; nn.Sequential names its children 0, 1, ..."""
+    cfg = load_config("mnist", ["train.watch=[0, fc]", "finetune.freeze=3", "train.activation_checkpointing=[1]", "dist.fsdp.blocks=[2]"])
+    assert (cfg.train.watch, cfg.finetune.freeze) == (("0", "fc"), ("3",))
+    assert (cfg.train.activation_checkpointing, cfg.dist.fsdp.blocks) == (("1",), ("2",))
+    for bad, shown in (("train.watch=[1.5]", "1.5"), ("finetune.freeze=[true]", "True"), ("dist.fsdp.blocks=[{a: 1}]", "{'a': 1}")):
+        with pytest.raises(ConfigError) as e:
+            load_config("mnist", [bad])
+        assert str(e.value) == f"{bad.split('=')[0]}: {shown} is not a name or a pattern, e.g. [conv1, layer1.*]."
+
+
 def test_every_preset_loads_and_round_trips():
     names = list_presets()
     assert {"mnist", "mnist-course", "fashion-resnet18", "mnist-lenet"} <= set(names)

@@ -19,10 +19,11 @@ from brickyard.config.checks import cross_check
 from brickyard.errors import ConfigError
 
 
-def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choices_str=None):
+def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choices_str=None, names=False):
     """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item``
-    class, ``choices_str``: the strings a number-or-string field accepts)."""
-    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item, "choices_str": choices_str}
+    class, ``choices_str``: the strings a number-or-string field accepts, ``names``: a list of module or
+    parameter name patterns, whose whole numbers are names too: YAML reads ``[0, fc]`` as 0 and 'fc')."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item, "choices_str": choices_str, "names": names}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -149,7 +150,7 @@ class TrainConfig:
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
     channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
     compile: Union[bool, str] = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 1,000 steps, never on CPUs (see docs/training.md)")
-    activation_checkpointing: Union[tuple, str] = _opt((), choices_str=("auto",), doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
+    activation_checkpointing: Union[tuple, str] = _opt((), choices_str=("auto",), names=True, doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
     seed: int = _opt(0, min=0)
@@ -165,7 +166,7 @@ class TrainConfig:
     tensorboard: bool = _opt(True, doc="false drops tensorboard from train.loggers (kept for one version: use train.loggers)")
     plots: bool = _opt(True, doc="write PNG curves, confusion matrix and misclassified images at the end")
     histograms_every: int = _opt(0, min=0, doc="steps between weight/gradient histograms (0 = off)")
-    watch: tuple = _opt((), doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
+    watch: tuple = _opt((), names=True, doc="module name patterns whose activations and gradients are logged, e.g. [conv*, fc]")
     watch_every: int = _opt(200, min=1)
     nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
     stop_if_not_learning: bool = _opt(False, doc="end the run (exit 1) when the training loss sits at chance for 3 log windows; off: a warning")
@@ -206,7 +207,7 @@ class PSConfig:
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    blocks: Union[tuple, str] = _opt("auto", choices_str=("auto",), doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
+    blocks: Union[tuple, str] = _opt("auto", choices_str=("auto",), names=True, doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
     offload: bool = _opt(False, doc="keep the sharded parameters, gradients and optimiser state in host memory (GPUs; a CPU run already does)")
     reshard_after_forward: bool = _opt(True, doc="free the gathered parameters after each block's forward (false: keep them until the backward, more memory and less communication)")
 
@@ -230,7 +231,7 @@ class DistConfig:
 class FinetuneConfig:
     init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors), or published weights: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16")
     reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
-    freeze: tuple = _opt((), doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*], or all_but_last:N (every layer but the last N that hold parameters)")
+    freeze: tuple = _opt((), names=True, doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*], or all_but_last:N (every layer but the last N that hold parameters)")
     head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")
 
 
@@ -432,6 +433,11 @@ def _check(key: str, value: Any, tp, meta) -> Any:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
     if isinstance(coerced, str) and tuple in allowed_types and coerced not in (meta.get("choices_str") or ()):
         coerced = (coerced,)  # one pattern where a list or a word is allowed: a list of one
+    if meta.get("names") and isinstance(coerced, tuple):
+        odd = next((v for v in coerced if isinstance(v, bool) or not isinstance(v, (str, int))), None)
+        if odd is not None:
+            raise ConfigError(f"{key}: {odd!r} is not a name or a pattern, e.g. [conv1, layer1.*].")
+        coerced = tuple(str(v) for v in coerced)
     if isinstance(coerced, str) and meta.get("choices_str") and coerced not in meta["choices_str"]:
         raise ConfigError(f"{key}: {value!r} is not a number or one of {', '.join(meta['choices_str'])}.")
     choices = meta.get("choices")
