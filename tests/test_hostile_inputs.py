@@ -112,6 +112,10 @@ CASES = [
     ("3,000-deep --set list", ["train", "--set", "data.classes=" + "[" * 3000 + "]" * 3000], 2, "nested too deeply"),
     ("one class kept", ["train", "--set", "data.classes=5"], 2, "data.classes: [5] keeps one class; a classifier needs at least 2."),
     ("a class kept twice", ["train", "--set", "data.classes=[3, 4, 3]"], 2, "data.classes: 3 is listed twice"),
+    ("optim.name a list", ["train", "--set", "optim.name=[1]"], 2, "optim.name: [1] is not a string."),
+    # 1.7 PB: past any host's address space, so refused even where the kernel overcommits without limit
+    ("a model past the host's memory", ["train", *sets(*SYNTH, "model.in_channels=2147483647")], 1,
+     " GB asked for at once; try a smaller model, data set or data.batch_size."),
     ("a 100 kB --set value", ["train", "--set", "model.name=" + "x" * 100_000], 2, "a setting is a few"),
     ("--set without =", ["train", "--set", "optim.lr"], 2, "expected KEY=VALUE"),
     ("an unknown key", ["train", "--set", "optim.lrr=1"], 2, "optim.lrr: unknown key"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -92,6 +93,12 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  a bug of brickyard's (or torch's): one line here, the traceback kept
         if type(e).__name__ == "OutOfMemoryError":  # torch's, outside a run (the run explains its own)
             print(f"error: out of memory ({_first_line(e)}); try a smaller model or data.batch_size.", file=sys.stderr)
+            return 1
+        asked = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(e))
+        if asked:  # torch's host allocator, outside a run: a data set or a model sized past the host's memory
+            if dist.prints_errors():
+                print(f"error: out of host memory: {int(asked.group(1)) / 1e9:,.1f} GB asked for at once; try a "
+                      f"smaller model, data set or data.batch_size.", file=sys.stderr)
             return 1
         where = getattr(e, "logged_in", None) or [_save_traceback(e)]
         print(f"error: brickyard crashed ({type(e).__name__}: {_first_line(e)}); the traceback is in "

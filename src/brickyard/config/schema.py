@@ -317,7 +317,7 @@ def switch_optimiser(optim: dict, new: str, kept, where: str, notes: list | None
     ``kept`` (the keys set together with the change) does not name are dropped, so ``new`` gets its own
     conventions (``CONVENTIONAL``) instead of another optimiser's tuned rate; said in ``notes``."""
     old = optim.get("name", OptimConfig.name)
-    if new == old:
+    if new == old or not isinstance(new, str):  # not a name: the type check says so, naming the key
         return
     dropped = [k for k in OPTIMISER_KEYS if k in optim and k not in kept]
     for k in dropped:
