@@ -167,6 +167,11 @@ CASES = [
     ("resume another run's file", ["train", *sets(*SYNTH), "--run-dir", "W/run", "--resume", "W/run/weird/checkpoints/best.pt"],
      2, "holds another run"),
     ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
+    # settings the device cannot honour (2 processes on CPUs)
+    ("nccl on CPUs", ["train", *sets(*SYNTH, "dist.backend=nccl"), "--devices", "cpu:2", "--run-dir", "W/run",
+                      "--resume", "auto"], 2, "dist.backend: nccl runs on CUDA GPUs only"),
+    ("SyncBatchNorm on CPUs", ["train", *sets(*SYNTH, "dist.sync_bn=true", "model.name=fashion_fast"), "--devices", "cpu:2",
+                               "--run-dir", "W/r-syncbn"], 2, "dist.sync_bn: torch's SyncBatchNorm runs on GPUs only"),
     ("a preset that is a path", ["train", *sets(*SYNTH, "preset=../../escape", "train.max_steps=1")], 0, ""),
 ]
 

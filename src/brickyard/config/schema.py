@@ -222,7 +222,7 @@ class DistConfig:
     timeout_s: int = _opt(300, min=1, max=7 * 86400, doc="seconds a rank waits for the others (joining, a collective) before the job ends")
     grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
                           doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
-    sync_bn: bool = _opt(False)
+    sync_bn: bool = _opt(False, doc="batch norm over the global batch (torch's SyncBatchNorm; GPUs only)")
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
 

@@ -169,6 +169,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
                          streams=not data.in_memory)
         if cfg.data.num_workers == "auto":  # planned with the threads
             cfg = req.config = cfg.replace(**{"data.num_workers": host.workers})
+        setup.check_placement(cfg, model, host.device, req.info.distributed)
         if host.device.type == "cuda":
             torch.cuda.set_device(host.device)
         try:

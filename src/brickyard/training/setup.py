@@ -30,7 +30,7 @@ from brickyard.data.loaders import BatchPlan, device_batches, make_train_loader,
 from brickyard.distributed import fsdp, gradsync
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError
+from brickyard.errors import BrickyardError, ConfigError
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.optim import OptimizerUpdate, Schedule, build_optimizer, describe_groups, param_groups
@@ -80,6 +80,20 @@ def plan(cfg: Config, data, info, run_dir: Path) -> Plan:
         total = min(total, math.ceil(t.stop_epoch * per_epoch))
     peak, schedule = _schedule(cfg, data_world, planned, per_epoch)
     return Plan(cfg, Path(run_dir), layout, data_world, batches, per_epoch, total, peak, schedule)
+
+
+def check_placement(cfg: Config, model: nn.Module, device: torch.device, distributed: bool) -> None:
+    """``dist.*`` settings this device cannot honour, as config errors before the process group forms
+    (torch would fail later, inside ``init_process_group`` or DDP's wrap, with a message about itself)."""
+    if not distributed:
+        return
+    if cfg.dist.backend == "nccl" and (device.type != "cuda" or not torch.distributed.is_nccl_available()):
+        where = f"this run's device is {device.type}" if device.type != "cuda" else "this torch was built without it"
+        raise ConfigError(f"dist.backend: nccl runs on CUDA GPUs only and {where}; use gloo or auto.")
+    if cfg.dist.sync_bn and device.type != "cuda" and any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ConfigError(f"dist.sync_bn: torch's SyncBatchNorm runs on GPUs only and this run's device is {device.type}; "
+                          f"turn it off (each process then normalises over its own share of the batch).")
 
 
 def _place(req: Request, host, log):
