@@ -85,6 +85,7 @@ def world(tmp_path_factory):
     _folder(w / "badprobe", {"train/a/0.png": b"not a png"})
     _folder(w / "badval", {"val/b/9.png": b"\x89PNG\r\n\x1a\n cut short"})
     _folder(w / "notutf8", {b"train/a/caf\xe9-\xff.png": (w / "digit.png").read_bytes()})
+    _folder(w / "clean", {})
     weird = run / "weird"  # a second run whose metrics.jsonl holds rows that are not objects
     r = run_cli("train", *sets(*SYNTH, "train.epochs=1", "train.plots=false"), "--run-dir", str(weird))
     assert r.returncode == 0, r.stderr
@@ -162,6 +163,16 @@ CASES = [
      "The epoch trained before it is kept in"),
     ("a name that is not UTF-8, disk cache", ["train", *sets(*IMG, "data.root=W/notutf8", "data.cache=disk"),
                                              "--run-dir", "W/r-utf8"], 0, ""),
+    ("train transforms of no fixed size", ["train", *sets(*IMG, "data.root=W/clean", "data.train_transforms=[grayscale, rgb]"),
+                                           "--run-dir", "W/r-nofixed"], 2, "e.g. resize:20x20 (the first image's size)"),
+    ("a train size the model cannot read", ["train", *sets(*IMG, "data.root=W/clean", "data.train_transforms=[center_crop:16]",
+                                                           "data.eval_transforms=[resize:20x20]"), "--devices", "cpu:2",
+                                            "--run-dir", "W/r-sizes"], 2, "mlp built for 20x20 cannot read 16x16"),
+    ("a train size a pooling model reads", ["train", *sets(*IMG, "data.root=W/clean", "data.train_transforms=[center_crop:16]",
+                                                           "data.eval_transforms=[resize:20x20]", "model.name=resnet18",
+                                                           "train.max_steps=1"), "--run-dir", "W/r-sizes-ok"], 0, ""),
+    ("four channels", ["train", *sets(*IMG, "data.root=W/clean", "data.channels=4"), "--run-dir", "W/r-4"], 2,
+     "data.channels: 4 is not one of 0, 1, 3"),
     # run directories and their files
     ("train over a finished run", ["train", *sets(*SYNTH), "--run-dir", "W/run"], 2, "already holds a run"),
     ("resume another run's file", ["train", *sets(*SYNTH), "--run-dir", "W/run", "--resume", "W/run/weird/checkpoints/best.pt"],

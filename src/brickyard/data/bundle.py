@@ -35,6 +35,7 @@ class DataBundle:
     classes: list[str] = field(default_factory=list)
 
     sample_shape: tuple = ()  # one input's shape; C x H x W for images
+    train_size: tuple | None = None  # training images' H x W where it differs from image_size (an image folder's transforms)
 
     @property
     def in_memory(self) -> bool:

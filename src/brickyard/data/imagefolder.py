@@ -294,7 +294,15 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     first = decode(files[0])
     channels = channels or first.shape[0]
     cfg = auto_transforms(cfg, first)
-    size = _output_size(cfg)
+    size = _output_size(cfg.eval_transforms)
+    if size is None:
+        raise ConfigError("data.eval_transforms must end in a fixed size (center_crop:S or resize:HxW) so images batch "
+                          "together.")
+    train_size = _output_size(cfg.train_transforms)
+    if train_size is None:
+        raise ConfigError(f"data.train_transforms must end in a fixed size (random_resized_crop:S, center_crop:S or "
+                          f"resize:HxW) so images batch together, e.g. resize:{first.shape[1]}x{first.shape[2]} (the first "
+                          f"image's size).")
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)
     val = None
@@ -324,13 +332,17 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     disk = DiskCache(files, root, "train") if cfg.cache == "disk" else None
     train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory", disk=disk)
     return DataBundle("imagefolder", Split(dataset=train), val, test,
-                      len(classes), channels, size, tuple(mean), tuple(std), classes)
+                      len(classes), channels, size, tuple(mean), tuple(std), classes,
+                      train_size=train_size if train_size != size else None)
 
 
-def _output_size(cfg) -> tuple[int, int]:
-    """The image size the eval pipeline produces (its last resize or crop)."""
-    for spec in reversed(list(cfg.eval_transforms)):
+def _output_size(transforms) -> tuple[int, int] | None:
+    """The image size a pipeline produces (its last crop, or resize to HxW); None: each image's own
+    (no size step, or a last resize of the shorter side)."""
+    for spec in reversed(list(transforms)):
         name, _, arg = str(spec).partition(":")
         if name in ("center_crop", "random_resized_crop") or (name == "resize" and "x" in arg):
             return (int(arg), int(arg)) if "x" not in arg else tuple(int(v) for v in arg.split("x"))
-    raise ConfigError("data.eval_transforms must end in a fixed size (center_crop:S or resize:HxW) so images batch together.")
+        if name == "resize":
+            return None
+    return None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from brickyard.config.checks import init_method
-from brickyard.errors import ConfigError
+from brickyard.errors import ConfigError, reason
 
 _REGISTRY: dict[str, tuple[Callable[..., nn.Module], str]] = {}
 
@@ -94,9 +94,27 @@ def build(cfg, data):
     """The registry model that ``cfg`` (a ``Config``) names, sized for ``data`` (a ``DataBundle``), its
     weights initialised as ``model.init`` says."""
     m = cfg.model
-    model = create(m.name, m.num_classes or data.num_classes, m.in_channels or data.in_channels, data.image_size,
+    channels = m.in_channels or data.in_channels
+    model = create(m.name, m.num_classes or data.num_classes, channels, data.image_size,
                    patch_size=m.patch_size, drop_path=m.drop_path, head=None if m.head == "default" else m.head)
+    if data.train_size is not None:
+        _reads(model, m.name, channels, data)
     return initialise(model, m.init)
+
+
+def _reads(model: nn.Module, name: str, channels: int, data) -> None:
+    """A model built for ``data``'s evaluation size must also read its training size (an image folder whose
+    train and eval transforms end at different sizes): one forward of a blank image, or a ``ConfigError``."""
+    was = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, channels, *data.train_size))
+    except Exception as e:
+        (th, tw), (eh, ew) = data.train_size, data.image_size
+        raise ConfigError(f"data.train_transforms end at {th}x{tw} and data.eval_transforms at {eh}x{ew}, and {name} built "
+                          f"for {eh}x{ew} cannot read {th}x{tw} ({reason(e)}); end both at the same size.") from None
+    finally:
+        model.train(was)
 
 
 def architecture(m) -> dict:
