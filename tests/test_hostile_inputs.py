@@ -171,6 +171,10 @@ CASES = [
     ("a train size a pooling model reads", ["train", *sets(*IMG, "data.root=W/clean", "data.train_transforms=[center_crop:16]",
                                                            "data.eval_transforms=[resize:20x20]", "model.name=resnet18",
                                                            "train.max_steps=1"), "--run-dir", "W/r-sizes-ok"], 0, ""),
+    ("a model of other channels", ["train", *sets(*IMG, "data.root=W/clean", "model.in_channels=1"), "--run-dir", "W/r-c1"], 2,
+     "model.in_channels: 1, but the data's images have 3; leave it 0 to follow the data or convert the folder"),
+    ("fewer outputs than classes", ["train", *sets(*SYNTH, "model.num_classes=2"), "--run-dir", "W/r-classes"],
+     2, "model.num_classes: 2 outputs cannot score the data's 10 classes"),
     ("four channels", ["train", *sets(*IMG, "data.root=W/clean", "data.channels=4"), "--run-dir", "W/r-4"], 2,
      "data.channels: 4 is not one of 0, 1, 3"),
     # run directories and their files

@@ -97,6 +97,12 @@ def build(cfg, data):
     channels = m.in_channels or data.in_channels
     model = create(m.name, m.num_classes or data.num_classes, channels, data.image_size,
                    patch_size=m.patch_size, drop_path=m.drop_path, head=None if m.head == "default" else m.head)
+    if m.in_channels and data.in_channels and m.in_channels != data.in_channels:  # after create: sizes past memory say so
+        raise ConfigError(f"model.in_channels: {m.in_channels}, but the data's images have {data.in_channels}; leave it 0 to "
+                          f"follow the data{' or convert the folder with data.channels: 1 or 3' if data.name == 'imagefolder' else ''}.")
+    if m.num_classes and m.num_classes < data.num_classes:
+        raise ConfigError(f"model.num_classes: {m.num_classes} outputs cannot score the data's {data.num_classes} classes; "
+                          f"leave it 0 to follow the data.")
     if data.train_size is not None:
         _reads(model, m.name, channels, data)
     return initialise(model, m.init)
