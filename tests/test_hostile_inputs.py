@@ -181,6 +181,8 @@ CASES = [
     ("train over a finished run", ["train", *sets(*SYNTH), "--run-dir", "W/run"], 2, "already holds a run"),
     ("resume another run's file", ["train", *sets(*SYNTH), "--run-dir", "W/run", "--resume", "W/run/weird/checkpoints/best.pt"],
      2, "holds another run"),
+    ("an output in a folder that takes no file", ["predict", "W/run", "W/digit.png", "--out", "/proc/brickyard-out.json"], 1,
+     "error: /proc/brickyard-out.json: "),
     ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
     # settings the device cannot honour (2 processes on CPUs)
     ("nccl on CPUs", ["train", *sets(*SYNTH, "dist.backend=nccl"), "--devices", "cpu:2", "--run-dir", "W/run",

@@ -67,7 +67,10 @@ def write_atomic(path: str | Path, data: bytes | str | Writer) -> Path:
     old file and no temporary behind and is raised naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # a folder that takes no new file (/proc, read-only): name the target, not the temporary
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -80,7 +83,7 @@ def write_atomic(path: str | Path, data: bytes | str | Writer) -> Path:
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a write error names no file: say which one (the CLI prints "PATH: reason")
+        if e.filename in (None, tmp):  # a write error names no file or the temporary: say which (the CLI prints "PATH: reason")
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     except BaseException:
