@@ -58,6 +58,7 @@ def world(tmp_path_factory):
     (w / "binary.yaml").write_bytes(bytes(range(256)) * 4)
     (w / "huge.yaml").write_text("# " + "x" * (2 << 20) + "\n")
     (w / "base-number.yaml").write_text("base: 5\n")
+    (w / "twice.yaml").write_text("optim:\n  lr: 0.1\n  name: sgd\n  lr: 5\n")
 
     class Evil:
         def __reduce__(self):
@@ -101,6 +102,7 @@ IMG = ["data.name=imagefolder", "model.name=mlp", "train.epochs=1", "train.preci
 CASES = [
     # configs
     ("alias bomb", ["train", "W/bomb.yaml"], 2, "more than 100,000 values"),
+    ("a key written twice", ["train", "W/twice.yaml"], 2, "twice.yaml: lr is written twice (lines 2 and 4)"),
     ("20,000 nested brackets", ["train", "W/deep.yaml"], 2, "nested more than 32 levels deep"),
     ("base: names itself", ["train", "W/self.yaml"], 2, "leads back to itself"),
     ("base: a cycle of two", ["train", "W/ping.yaml"], 2, "leads back to itself"),

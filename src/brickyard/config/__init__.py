@@ -37,13 +37,31 @@ def list_presets() -> dict[str, str]:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, except that a key written twice in one mapping is a ``ConfigError``:
+    PyYAML keeps the last silently, so a second ``optim:`` section would undo the first without a word."""
+    where = ""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(f"{self.where}: {key} is written twice (lines {seen[key]} and {line}); YAML would "
+                                      f"keep only the last, so say it once.")
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def parse_yaml(text: str, where: str):
-    """``yaml.safe_load`` with the bounds of ``bounded``; a syntax error or a nesting that overflows the
-    parser is a ``ConfigError`` naming ``where``."""
+    """``yaml.safe_load`` with the bounds of ``bounded``; a syntax error, a key written twice in one
+    mapping or a nesting that overflows the parser is a ``ConfigError`` naming ``where``."""
     if len(text) > MAX_BYTES:
         raise ConfigError(f"{where}: {len(text):,} characters; a config is a few kilobytes.")
+    loader = type("Loader", (_Loader,), {"where": where})
     try:
-        return bounded(yaml.safe_load(text), where)
+        return bounded(yaml.load(text, Loader=loader), where)  # noqa: S506  a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]}).") from None
     except RecursionError:
