@@ -13,6 +13,13 @@ class RendezvousError(BrickyardError):
     every_rank = True
 
 
+class LaunchError(BrickyardError):
+    """The launcher's environment (``RANK``, ``SLURM_NTASKS`` ...) is not one brickyard can run in: said on
+    every rank's console, since the rank itself may be what is wrong."""
+
+    every_rank = True
+
+
 class ConfigError(BrickyardError):
     """A configuration key, type or value that is not allowed."""
 

@@ -294,6 +294,33 @@ def test_a_bad_slurm_environment_is_one_sentence(nodelist, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_LOCALID")
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not a whole number from 0 to 1"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK='5' is not a whole number from 0 to 1"),  # said although rank 5 says nothing else
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a whole number of at least 1"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is not a whole number from 0 to 0"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT are not both set"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "abc"}, "SLURM_NTASKS='abc' is not a whole number of at least 1"),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n1"}, "SLURM_PROCID='3' is not"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, "brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n1",
+      "SLURM_TASKS_PER_NODE": "x(y)"}, "SLURM_TASKS_PER_NODE='x(y)' is not Slurm's form")])
+def test_a_broken_launcher_environment_is_one_sentence_on_every_rank(env, words, tmp_path):
+    """A job script's variables are input too: each of these crashed (int('abc'), a division by a world of 0)
+    or said nothing at all (a rank other than 0 prints no error of its own)."""
+    full = {**{k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}, **env}
+    r = subprocess.run([sys.executable, "-m", "brickyard", "train", *sets(*SYNTH), "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, env=full, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     """The launcher gave up on a master that never answered and exited while the roll call's own
     connection attempt was timing out: the C++ exception met the interpreter's exit and the process

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from brickyard.distributed.slurm import from_slurm
+from brickyard.errors import LaunchError
 
 
 @dataclass(frozen=True)
@@ -35,21 +35,51 @@ class DistInfo:
         return self.world_size > 1
 
 
+def env_int(env, name: str, default: int, low: int = 0, high: int = 1 << 31) -> int:
+    """``env[name]`` as a whole number from ``low`` to ``high`` (``default`` when unset): a launcher's
+    variable set by hand or by a broken job script is one sentence, not a ``ValueError``."""
+    value = env.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or not low <= number <= high:
+        span = f"from {low} to {high}" if high < 1 << 31 else f"of at least {low}"
+        raise LaunchError(f"environment: {name}={value!r} is not a whole number {span}; the launcher (torchrun, srun) "
+                          f"sets it, so check the job script, or unset it to run one process.")
+    return number
+
+
 def from_env(env=None) -> DistInfo:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistInfo(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                        int(env.get("LOCAL_WORLD_SIZE", 1)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        world = env_int(env, "WORLD_SIZE", 1, low=1)
+        info = DistInfo(env_int(env, "RANK", 0, high=world - 1), env_int(env, "LOCAL_RANK", 0, high=world - 1), world,
+                        env_int(env, "LOCAL_WORLD_SIZE", 1, low=1, high=world),
+                        env_int(env, "TORCHELASTIC_RESTART_COUNT", 0))
+        if info.local_rank >= info.local_world_size:
+            raise LaunchError(f"environment: LOCAL_RANK={info.local_rank} is not below LOCAL_WORLD_SIZE="
+                              f"{info.local_world_size}; check the job script, or unset both to run one process.")
+        if world > 1 and env.get("MASTER_PORT"):
+            env_int(env, "MASTER_PORT", 0, low=1, high=65535)
+        return info
+    if env_int(env, "SLURM_NTASKS", 1, low=1) > 1 and "SLURM_PROCID" in env:
+        from brickyard.distributed.slurm import from_slurm  # slurm.py reads its numbers with env_int, from here
         return from_slurm(env, DistInfo)
     return DistInfo()
+
+
+def _lenient(value) -> int:
+    return int(value) if value and value.isdecimal() else 0
 
 
 def rank_from_env(env=None) -> int:
     """This process's global rank, read without checking the rest (for error messages: only rank 0 prints)."""
     env = os.environ if env is None else env
-    value = env.get("RANK") or (env.get("SLURM_PROCID") if int(env.get("SLURM_NTASKS", "1") or 1) > 1 else None)
-    return int(value) if value and value.isdigit() else 0
+    value = env.get("RANK") or (env.get("SLURM_PROCID") if _lenient(env.get("SLURM_NTASKS")) > 1 else None)
+    return _lenient(value)
 
 
 def prints_errors(env=None) -> bool:
@@ -58,4 +88,4 @@ def prints_errors(env=None) -> bool:
     env = os.environ if env is None else env
     if rank_from_env(env) == 0:
         return True
-    return env.get("LOCAL_RANK") == "0" and int(env.get("GROUP_WORLD_SIZE", "1") or 1) > 1
+    return env.get("LOCAL_RANK") == "0" and _lenient(env.get("GROUP_WORLD_SIZE")) > 1

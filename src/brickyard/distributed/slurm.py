@@ -12,25 +12,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from brickyard.errors import BrickyardError
+from brickyard.distributed.env import env_int
+from brickyard.errors import LaunchError
 
 
 def from_slurm(env, make):
     """``make(rank, local_rank, world, local_world, master=...)`` (a ``DistInfo``) from Slurm's variables."""
-    world = int(env["SLURM_NTASKS"])
+    world = env_int(env, "SLURM_NTASKS", 1, low=1)
     per_node = slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world))
-    node = int(env.get("SLURM_NODEID", 0))
+    node = env_int(env, "SLURM_NODEID", 0)
     local_world = per_node[node] if node < len(per_node) else per_node[-1]
     master = None
     if "MASTER_ADDR" not in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_STEP_NODELIST")
         if not nodelist:
-            raise BrickyardError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
-                                 "to find rank 0; run it with srun inside an allocation.")
-        port = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0))
-        master = (slurm_hosts(nodelist)[0], int(port))
-    return make(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), world, local_world, master=master,
-                launcher="slurm")
+            raise LaunchError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
+                              "to find rank 0; run it with srun inside an allocation.")
+        job = env.get("SLURM_JOB_ID", "0")[-4:]
+        port = env_int(env, "MASTER_PORT", 15000 + (int(job) if job.isdecimal() else 0), low=1, high=65535)
+        master = (slurm_hosts(nodelist)[0], port)
+    return make(env_int(env, "SLURM_PROCID", 0, high=world - 1), env_int(env, "SLURM_LOCALID", 0, high=world - 1), world,
+                local_world, master=master, launcher="slurm")
 
 
 def slurm_hosts(nodelist: str) -> list[str]:
@@ -45,7 +47,7 @@ def slurm_hosts(nodelist: str) -> list[str]:
             items.append(nodelist[start:i].strip())
             start = i + 1
     if depth != 0 or not all(items):
-        raise BrickyardError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
+        raise LaunchError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
     return [host for item in items for host in _expand_one(item, nodelist)]
 
 
@@ -57,8 +59,8 @@ def _expand_one(item: str, nodelist: str) -> list[str]:
     numbers = []
     for part in body.split(","):
         lo, _, hi = part.partition("-")
-        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
-            raise BrickyardError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
+        if not lo.isdecimal() or not (hi or lo).isdecimal() or int(hi or lo) < int(lo):
+            raise LaunchError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
         numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
     return [head + n + t for n in numbers for t in _expand_one(tail, nodelist)]
 
@@ -68,14 +70,18 @@ def slurm_tasks_per_node(spec: str) -> list[int]:
     out = []
     for part in spec.split(","):
         count, _, times = part.partition("(x")
-        out += [int(count)] * int(times.rstrip(")") or 1)
+        times = times.removesuffix(")") or "1"
+        if not (count.isdecimal() and times.isdecimal()) or int(count) < 1 or len(out) + int(times) > 1 << 16:
+            raise LaunchError(f"environment: SLURM_TASKS_PER_NODE={spec!r} is not Slurm's form (2(x3),1: tasks of each "
+                              f"node); run brickyard with srun inside an allocation.")
+        out += [int(count)] * int(times)
     return out
 
 
 def task_of_a_step(env=None) -> bool:
     """This process is one of several tasks that ``srun`` started (a job step of more than one task)."""
     env = os.environ if env is None else env
-    return int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+    return env_int(env, "SLURM_NTASKS", 1, low=1) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
 
 
 def batch_script_of_several_tasks(env=None) -> int:
@@ -83,7 +89,7 @@ def batch_script_of_several_tasks(env=None) -> int:
     2``: ``SLURM_NTASKS=2`` and ``SLURM_PROCID=0`` but no job step), where brickyard was not started by
     srun; else 0."""
     env = os.environ if env is None else env
-    n = int(env.get("SLURM_NTASKS", "1") or 1)
+    n = env_int(env, "SLURM_NTASKS", 1, low=1)
     return n if n > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" not in env and "RANK" not in env else 0
 
 
