@@ -231,6 +231,46 @@ def test_fit_checks_labels_before_training(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("call, error", [
+    (lambda x, y, m: dict(model=lambda t: t), (TypeError, "fit: model must be a torch.nn.Module, got function")),
+    (lambda x, y, m: dict(train_data=(x[:0], y[:0])), ("DataError", "train_data is empty")),
+    (lambda x, y, m: dict(train_data=(x, y.float())), ("DataError", "labels are floats .* pass loss_fn for a regression")),
+    (lambda x, y, m: dict(num_classes="3"), ("DataError", "num_classes: '3' is not a whole number of classes")),
+    (lambda x, y, m: dict(train_data=(x.tolist(), y.tolist())), ("DataError", "got a tuple of 2: list, list")),
+    (lambda x, y, m: dict(train_data=(np.array([object()] * 64), y.numpy())), ("DataError", "cannot be read as tensors"))],
+    ids=["not a module", "empty", "float labels", "num_classes a string", "lists", "objects"])
+def test_fit_refuses_what_it_cannot_train_in_one_sentence(call, error, tmp_path):
+    """Each of these crashed inside torch (IndexError, a dtype error in the loss, TypeError on '>=')."""
+    from brickyard import errors, fit
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    kwargs = dict(model=torch.nn.Linear(4, 3), train_data=(x, y), run_dir=tmp_path / "r",
+                  overrides=["train.progress=none", "train.precision=fp32", "train.threads=1", "train.max_steps=2"])
+    kwargs.update(call(x, y, kwargs["model"]))
+    kind, words = error
+    with pytest.raises(getattr(errors, kind) if isinstance(kind, str) else kind, match=words):
+        fit(**kwargs)
+    assert not (tmp_path / "r").exists()
+
+
+def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
+    """keras.datasets' arrays as they come: uint8 N x H x W images and N x 1 uint8 labels (CIFAR's shape);
+    float labels train with a loss of the user's; one KEY=VALUE string is one override."""
+    from brickyard import fit
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (64, 6, 6), dtype=np.uint8), rng.integers(0, 3, (64, 1), dtype=np.uint8)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 3))
+    ov = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.max_steps=3", "train.plots=false",
+          "data.batch_size=16"]
+    s = fit(model, (images, labels), (images[:16], labels[:16]), run_dir=tmp_path / "a", overrides=ov)
+    assert s["steps"] == 3 and s["val_accuracy"] is not None
+    reg = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 1), torch.nn.Flatten(0))
+    s = fit(reg, (images, labels[:, 0].astype(np.float32)), run_dir=tmp_path / "b", overrides=ov,
+            loss_fn=torch.nn.functional.mse_loss)
+    assert s["steps"] == 3 and s["val_accuracy"] is None
+    s = fit(model, (images, labels), run_dir=tmp_path / "c", overrides="train.max_steps=1")  # one string: one override
+    assert s["steps"] == 1
+
+
 @pytest.mark.parametrize("gap", [0.0, 0.3])
 def test_a_second_ctrl_c_during_shutdown_prints_nothing_more(tmp_path, gap):
     """Ctrl-C saves a checkpoint and exits 130; a second one, at once or a moment later, ends it without a

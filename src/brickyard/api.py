@@ -50,7 +50,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
         train_step=None, num_classes=None, run_dir=None, resume=None, overrides=()) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
-    ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors (inputs N x anything:
+    ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
     images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of
     pairs. Integer labels are classes: their count is the largest label + 1, or for a Dataset the width
     of the model's output (``num_classes`` overrides both). Accuracy and the confusion matrix are
@@ -70,13 +70,17 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     ``$BRICKYARD_RUN_DIR``, ``$BRICKYARD_LOG_DIR`` and ``$BRICKYARD_RESUME`` (set by `brickyard run`) are
     the defaults of ``run_dir``, the worker logs and ``resume``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(overrides, str):
+        overrides = [overrides]  # one KEY=VALUE, not its characters
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
         raise ConfigError("optim.lr: find runs the range test on the registry models of `brickyard train`; for your own "
                           "model set optim.lr (a number).")
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
-    data = from_user(train_data, val_data, test_data, num_classes, model)
+    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None)
     models.initialise(model, cfg.model.init)
     run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None

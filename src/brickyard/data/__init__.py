@@ -14,7 +14,7 @@ from brickyard.data import cifar, idx
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.imagefolder import imagefolder_bundle
 from brickyard.data.synthetic import synthetic_bundle
-from brickyard.errors import DataError
+from brickyard.errors import DataError, reason
 
 __all__ = ["DataBundle", "Split", "build_data", "from_user"]
 
@@ -94,16 +94,25 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
                       [bundle.classes[c] for c in keep] if bundle.classes else [])
 
 
-def from_user(train, val=None, test=None, num_classes: int | None = None, model=None) -> DataBundle:
-    """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or a Dataset of pairs.
+def from_user(train, val=None, test=None, num_classes: int | None = None, model=None, own_loss: bool = False) -> DataBundle:
+    """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or NumPy arrays (Keras's
+    ``fit(x, y)``), or a Dataset of pairs.
 
     Inputs may be N x anything: images (N x C x H x W; N x H x W tensors are taken as one-channel
     images), points, signals (as a Dataset when they are 3-D).
     Integer labels are classes: ``num_classes`` is the largest label + 1 for tensors and, for a Dataset
     (whose labels are not all read up front), the width of ``model``'s output on the first sample, as
-    Keras and Lightning need nothing either; float labels are regression targets."""
+    Keras and Lightning need nothing either; float labels are regression targets, for a loss of the
+    user's (``own_loss``: a ``loss_fn`` or ``train_step``; the default cross-entropy takes class indices)."""
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0):
+        raise DataError(f"num_classes: {num_classes!r} is not a whole number of classes.")
     splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
     first = splits[0]
+    if first is None or not len(first):
+        raise DataError("train_data is empty.")
+    if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
+        raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
+                        f"give class indices (labels.long()) or pass loss_fn for a regression.")
     if first.images is not None:
         sample, label = first.images[0], first.labels[0]
     else:
@@ -166,8 +175,13 @@ def _user_split(data, name: str) -> Split | None:
         return None
     if isinstance(data, Split):
         return data
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        inputs, labels = data
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(t, "__array__") for t in data):
+        try:
+            inputs, labels = (t if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t)) for t in data)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DataError(f"{name}: the arrays cannot be read as tensors ({reason(e)}).") from None
+        if labels.dim() == 2 and labels.shape[1] == 1 and not labels.is_floating_point():
+            labels = labels[:, 0]  # N x 1 class indices, as keras.datasets gives CIFAR's
         if inputs.dim() == 3:
             inputs = inputs.unsqueeze(1)  # N x H x W: one-channel images (a Dataset keeps other 3-D inputs as they are)
         if inputs.dim() < 1 or len(inputs) != len(labels):
@@ -175,4 +189,7 @@ def _user_split(data, name: str) -> Split | None:
         return Split(inputs, labels if labels.is_floating_point() else labels.long())
     if isinstance(data, torch.utils.data.Dataset):
         return Split(dataset=data)
-    raise DataError(f"{name}: expected an (inputs, labels) pair of tensors or a torch Dataset, got {type(data).__name__}.")
+    got = type(data).__name__
+    if isinstance(data, (tuple, list)):
+        got = f"a {got} of {len(data)}: {', '.join(type(t).__name__ for t in data[:3])}{', ...' if len(data) > 3 else ''}"
+    raise DataError(f"{name}: expected an (inputs, labels) pair of tensors or NumPy arrays, or a torch Dataset; got {got}.")
