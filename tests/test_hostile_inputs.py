@@ -185,6 +185,7 @@ CASES = [
      2, "holds another run"),
     ("an output in a folder that takes no file", ["predict", "W/run", "W/digit.png", "--out", "/proc/brickyard-out.json"], 1,
      "error: /proc/brickyard-out.json: "),
+    ("a folder as the script", ["run", "--devices", "cpu:2", "W/clean"], 2, "script W/clean is a folder, not a Python file"),
     ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
     # settings the device cannot honour (2 processes on CPUs)
     ("nccl on CPUs", ["train", *sets(*SYNTH, "dist.backend=nccl"), "--devices", "cpu:2", "--run-dir", "W/run",

@@ -37,7 +37,9 @@ def test_bench_loader_comparison():
 
 def test_bench_bad_spec_is_one_line():
     r = run_cli("bench", "mnist", *sets(*BENCH), "--devices", "cpu", "tpu:3", "--steps", "2", "--warmup", "0")
-    assert r.returncode == 2 and "bench --devices tpu:3 failed" in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: bench --devices tpu:3 failed: "), r.stderr
+    assert lines[0].count("error:") == 1, lines[0]  # the failed run's own "error: " is not repeated inside
 
 
 def test_superlinear_scaling_is_called_a_measurement_problem():

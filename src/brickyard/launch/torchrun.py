@@ -192,7 +192,7 @@ def launch_script(args) -> int:
     ``BRICKYARD_RESUME=auto`` when restarts are allowed, so a restarted script continues its run."""
     script = Path(args.script)
     if not script.is_file():
-        raise BrickyardError(f"script {script} does not exist.")
+        raise BrickyardError(f"script {script} {'is a folder, not a Python file' if script.is_dir() else 'does not exist'}.")
     job = Job.from_args(args, args.timeout)
     run_dir = args.run_dir
     if not run_dir and job.max_restarts:  # a restarted script must find the run it resumes

@@ -284,6 +284,6 @@ def run_job(args, cfg, spec: str, nodes=None) -> dict:
             argv += ["--node-rank", str(nodes.node_rank)] if nodes.node_rank is not None else []
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("error: ")
             raise BrickyardError(f"bench --devices {spec} failed: {last}")
         return json.loads(result.read_text())
