@@ -19,6 +19,7 @@ with ``weights_only=True``, so a file cannot run code.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,6 +60,18 @@ def umask() -> int:
 def file_mode() -> int:
     """What ``open(path, "w")`` would give a new file: 0666 less the umask."""
     return 0o666 & ~umask()
+
+
+@contextlib.contextmanager
+def naming(path):
+    """Inside, an ``OSError`` that names no file (a write's: no space, a size limit) names ``path``, as
+    the CLI says it: "PATH: reason". For files appended to as a run goes (``metrics.jsonl``, ``metrics.csv``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def write_atomic(path: str | Path, data: bytes | str | Writer) -> Path:
@@ -147,10 +160,39 @@ def remove_stale_temps(folder: Path, targets: Callable[[str], bool]) -> list[Pat
     return removed
 
 
+class _Writes:
+    """A binary file as ``torch.save`` writes to it, keeping the first ``OSError`` of a write: torch's zip
+    writer swallows it and raises "[enforce fail at inline_container.cc] unexpected pos" instead, which
+    says nothing of a full disk, a quota or a file-size limit."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name):  # flush, fileno, tell ...: the file's own
+        return getattr(self.f, name)
+
+
 def write_torch(obj, path: str | Path) -> Path:
-    """``torch.save(obj)`` to ``path``, atomically (``write_atomic``)."""
+    """``torch.save(obj)`` to ``path``, atomically (``write_atomic``); a failed write is the ``OSError``
+    the system gave (no space, a quota, a size limit), naming ``path``."""
     import torch  # lazy: this module is imported by the command line, which starts without torch
-    return write_atomic(path, lambda f: torch.save(obj, f))
+
+    def save(f):
+        out = _Writes(f)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
+    return write_atomic(path, save)
 
 
 def _damaged_member(path: Path) -> str | None:

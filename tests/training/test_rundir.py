@@ -1,5 +1,5 @@
 """What a run directory guarantees, tried as a hostile but ordinary world would: a second process, a
-size limit, a SIGKILL in the middle of a checkpoint, planted links, a flipped byte, a second user.
+size limit, a full disk, a SIGKILL in the middle of a checkpoint, planted links, a flipped byte, a second user.
 Every test runs real brickyard processes on synthetic data (fp32, one thread, one process)."""
 import json
 import os
@@ -118,6 +118,36 @@ def test_a_file_size_limit_during_resume_leaves_a_run_that_resumes(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "epochs: 3" in (run / "config.yaml").read_text()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: room for one checkpoint of the synthetic runs' MLP (2.2 MB with its momentum), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_is_one_line_and_the_run_resumes_once_there_is_room(small_disk):
+    """torch.save reports a failed write as "[enforce fail at inline_container.cc] unexpected pos", a crash
+    report before: the system's own reason is said, naming the checkpoint, and nothing already written breaks."""
+    run = small_disk / "run"
+    args = ["train", *sets(*SYNTH, "train.epochs=3", "checkpoint.every_steps=20", "checkpoint.every_epoch=false",
+                           "checkpoint.keep_last=3", "train.plots=false"), "--run-dir", str(run)]
+    r = run_cli(*args)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {run}/checkpoints/step-0000040.pt: No space left on device.", \
+        r.stderr[-2000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000020.pt"]  # whole; no temporary left
+    assert checkpoint.load(run / "checkpoints" / "step-0000020.pt")["step"] == 20
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    r = run_cli(*args, "--resume", "auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in (run / "train.log").read_text() and json.loads((run / "summary.json").read_text())["steps"] == 48
+    assert train_rows(run) == sorted(set(train_rows(run)))  # the rows past step 20 were dropped, then written once
 
 
 KILL_MID_SAVE = r"""

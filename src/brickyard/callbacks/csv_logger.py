@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
-from brickyard.files import write_atomic
+from brickyard.files import naming, write_atomic
 
 
 class CSVLogger(Callback):
@@ -37,9 +37,10 @@ class CSVLogger(Callback):
     def on_validation_end(self, run, metrics):
         if self.writer is None:
             return
-        self.writer.writerow([run.step, round(run.step / run.steps_per_epoch, 4), run.lr, run.train_loss,
-                              metrics.get("loss"), metrics.get("accuracy"), metrics.get("top5"),
-                              round(time.perf_counter() - self.start, 3)])
+        with naming(self.path):
+            self.writer.writerow([run.step, round(run.step / run.steps_per_epoch, 4), run.lr, run.train_loss,
+                                  metrics.get("loss"), metrics.get("accuracy"), metrics.get("top5"),
+                                  round(time.perf_counter() - self.start, 3)])
 
     def on_train_end(self, run, summary):
         if self.f is not None:

@@ -18,6 +18,7 @@ import numpy
 import torch
 
 from brickyard import __version__
+from brickyard.files import naming
 
 
 class MetricsWriter:
@@ -39,16 +40,18 @@ class MetricsWriter:
         if record.get("kind") == "start":
             self.pending.append(record)
             return
-        if self.f is None:
-            self.f = open(self.path, "a", buffering=1)
-        for row in self.pending + [record]:
-            self.f.write(json.dumps(row) + "\n")
+        with naming(self.path):
+            if self.f is None:
+                self.f = open(self.path, "a", buffering=1)
+            for row in self.pending + [record]:
+                self.f.write(json.dumps(row) + "\n")
         self.pending = []
 
     def close(self) -> None:
         if self.f:
-            self.f.close()
-            self.f = None
+            f, self.f = self.f, None
+            with naming(self.path):
+                f.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

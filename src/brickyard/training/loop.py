@@ -214,15 +214,17 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
     log_dir = Path(req.log_dir) if req.log_dir else run_dir / "logs"
     log = Logger(info.rank, tuple([log_dir / f"workerlog.{info.rank}"] + ([run_dir / "train.log"] if info.is_main else [])))
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
-    heartbeat = None
+    heartbeat, done = None, False
     try:
         heartbeat = dist.Heartbeat(info)
-        return _train(req, host, log, metrics, rundir)
+        summary = _train(req, host, log, metrics, rundir)
+        done = True
+        return summary
     except BrickyardError as e:
         log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
         raise
     except OSError as e:  # a full disk, a size limit, permissions: the CLI names the file and the reason
-        log.error(f"{e.filename or ''}: {e.strerror or e}")
+        log.error(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}")
         raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
         explained = failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) \
@@ -235,8 +237,11 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        metrics.close()
-        log.close()
+        try:
+            with contextlib.nullcontext() if done else contextlib.suppress(OSError):  # the failure in flight is the
+                metrics.close()                                                    # one to say (a full disk fails
+        finally:                                                                   # a cut row's flush again)
+            log.close()
 
 
 def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, rundir: RunDir) -> dict:
