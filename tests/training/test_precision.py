@@ -53,6 +53,19 @@ def test_the_answer_is_cached_per_cpu_torch_and_model(tmp_path):
                             cache=cache)["chosen"] == "fp32"
 
 
+@pytest.mark.parametrize("record", [{"chosen": "bf16"}, {"chosen": "bf16", "fp32_ms": "abc", "bf16_ms": 1, "cpu": "x"},
+                                    {"chosen": "bf16", "fp32_ms": float("nan"), "bf16_ms": 1.0, "cpu": "x"},
+                                    {"chosen": "bf16", "fp32_ms": 2.0, "bf16_ms": 1.0, "cpu": 7}])
+def test_a_cached_record_missing_a_figure_is_measured_again(tmp_path, record):
+    """The cache is a file anyone could have edited: a record without its figures crashed the log line (KeyError)."""
+    cache = tmp_path / "p.json"
+    precision.choose(_model(), (1, 8, 8), 16, torch.device("cpu"), 1, True, clock=FakeClock(0.01, 0.02), cache=cache)
+    (key,) = json.loads(cache.read_text())
+    cache.write_text(json.dumps({key: record}))
+    r = precision.choose(_model(), (1, 8, 8), 16, torch.device("cpu"), 1, True, clock=FakeClock(0.01, 0.02), cache=cache)
+    assert r["chosen"] == "fp32" and not r["cached"]
+
+
 def test_forcing_and_other_devices_are_not_measured(monkeypatch):
     cpu = torch.device("cpu")
     for forced in ("0", "1"):

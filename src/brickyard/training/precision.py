@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import platform
 import time
@@ -95,7 +96,7 @@ def choose(model, sample_shape, batch: int, device: torch.device, threads: int, 
     key = f"{cpu_model()}|torch {torch.__version__}|{signature(model, sample_shape, batch, threads, channels_last)}"
     path = cache or cache_dir("precision") / "precision.json"
     known = _read(path)
-    if isinstance(known.get(key), dict) and known[key].get("chosen") in ("fp32", "bf16"):
+    if _whole_record(known.get(key)):
         return {**known[key], "cached": True, "how": _words(known[key], cached=True)}
     try:
         fp32, bf16 = _time(model, sample_shape, batch, device, channels_last, clock)
@@ -110,6 +111,13 @@ def choose(model, sample_shape, batch: int, device: torch.device, threads: int, 
     except OSError:
         pass  # a read-only cache: measured again next time
     return {**record, "cached": False, "how": _words(record, cached=False)}
+
+
+def _whole_record(r) -> bool:
+    """A cached measurement as ``choose`` writes it (the cache is a file anyone could have edited)."""
+    return (isinstance(r, dict) and r.get("chosen") in ("fp32", "bf16") and isinstance(r.get("cpu"), str)
+            and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) and math.isfinite(r[k])
+                    for k in ("fp32_ms", "bf16_ms")))
 
 
 def _words(r: dict, cached: bool) -> str:
