@@ -93,6 +93,12 @@ def test_the_disk_cache_is_written_once_read_as_the_files_and_refuses_what_it_do
         with pytest.raises(DataError, match="holds another data set's images"):
             build_data(cfg.data)
         ours_index.write_bytes(saved)
+        tampered = np.load(ours_index)
+        tampered[1, 0] += 10**9  # an image said to start past the end of the pixels: reads would leave the file
+        np.save(ours_index, tampered)
+        with pytest.raises(DataError, match="is not one brickyard wrote for this folder's"):
+            build_data(cfg.data)
+        ours_index.write_bytes(saved)
         with open(made[1], "r+b") as f:  # cut short
             f.truncate(1000)
         with pytest.raises(DataError, match="was cut short; delete it to rebuild the cache"):

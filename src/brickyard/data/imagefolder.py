@@ -197,10 +197,16 @@ class DiskCache:
                             f"and a folder of your own at the images).") from None
         except (OSError, ValueError) as e:
             raise DataError(f"image cache index {self.index_path} cannot be read ({e}); delete it to rebuild the cache.") from None
+        foreign = DataError(f"image cache index {self.index_path} is not one brickyard wrote for this folder's "
+                            f"{len(self.files)} images; delete {self.pixels.parent} to rebuild it.")
+        if index.ndim != 2 or index.shape[1] != 4 or len(index) < 2 or not np.issubdtype(index.dtype, np.integer):
+            raise foreign
         total, n, stamp = (int(v) for v in index[-1][:3])
         if n != len(self.files) or stamp != int(self.fingerprint, 16) & (2**62 - 1):
             raise DataError(f"image cache {self.index_path} holds another data set's images ({n} images, not this "
                             f"folder's {len(self.files)}); delete {self.pixels.parent} to rebuild it.")
+        if len(index) != n + 1 or not _laid_end_to_end(index):  # its last row names this folder, its others do not
+            raise foreign
         if self.pixels.stat().st_size != total:
             raise DataError(f"image cache {self.pixels} is {self.pixels.stat().st_size:,} bytes, not the {total:,} its "
                             f"index lists: it was cut short; delete it to rebuild the cache.")
@@ -215,6 +221,16 @@ class DiskCache:
             return pipeline(torch.from_numpy(np.array(arr)).permute(2, 0, 1).contiguous())
         return _resample(arr, plan, (1.0, 1.0), pipeline.channels)
 
+
+
+def _laid_end_to_end(index: np.ndarray) -> bool:
+    """Each image's (offset, channels, height, width) starts where the one before ends, from 0 to the total in
+    the last row, with 1, 3 or 4 channels and sides of at least one pixel: every read stays in the file."""
+    rows = index[:-1]
+    if len(rows) == 0 or not np.isin(rows[:, 1], (1, 3, 4)).all() or (rows[:, 2:] < 1).any() or (rows[:, 2:] > 1 << 20).any():
+        return False
+    ends = rows[:, 0] + rows[:, 1] * rows[:, 2] * rows[:, 3]
+    return bool(rows[0, 0] == 0 and (rows[1:, 0] == ends[:-1]).all() and ends[-1] == index[-1, 0])
 
 
 class ImageFolderDataset(torch.utils.data.Dataset):
