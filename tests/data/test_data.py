@@ -1,5 +1,6 @@
 import gzip
 import hashlib
+import shutil
 
 import numpy as np
 import pytest
@@ -78,6 +79,24 @@ def test_mnist_split_and_checksums():
     assert d.train.images.dtype == torch.uint8 and d.train.images.shape[1:] == (1, 28, 28)
     all60 = build_data(DataConfig(name="mnist", train_on_all=True))
     assert len(all60.train) == 60000 and all60.val is None
+
+
+@needs_mnist
+def test_a_decoded_cache_that_is_not_what_decoding_gives_is_built_again(tmp_path, cache_dir):
+    """The ``.npy`` beside the files is a file anyone sharing the folder could replace: a labels array out of
+    range (an IndexError in the loss, mid-epoch) or a short images array is decoded from the source again."""
+    folder = tmp_path / "mnist"
+    shutil.copytree(idx.locate("mnist", None), folder)
+    first = {k: np.array(v) for k, v in idx.load_idx("mnist", str(folder), allow_download=False).items()}  # not the mmaps
+    caches = sorted(folder.glob(".*.npy"))
+    assert len(caches) == 4
+    labels = next(p for p in caches if "train-labels" in p.name)
+    images = next(p for p in caches if "t10k-images" in p.name)
+    np.save(labels, np.full(60_000, 200, np.uint8))
+    np.save(images, np.zeros((5, 28, 28), np.uint8))
+    again = idx.load_idx("mnist", str(folder), allow_download=False)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert int(np.load(labels).max()) == 9 and np.load(images).shape == (10_000, 28, 28)  # written again, right
 
 
 def _write_idx(folder, stem, array, gz=True):

@@ -190,7 +190,10 @@ def _load_one(name: str, folder: Path, stem: str) -> np.ndarray:
     cached = _cache_path(name, source)
     if cached.is_file():
         try:
-            return np.load(cached, mmap_mode="r")
+            array = np.load(cached, mmap_mode="r")
+            if _fits(name, stem, array):
+                return array
+            cached.unlink(missing_ok=True)  # not what decoding gives: built again below
         except PermissionError:
             pass  # another user's cache in a shared folder: theirs to keep; decoded from the source instead
         except (OSError, ValueError):
@@ -207,6 +210,16 @@ def _load_one(name: str, folder: Path, stem: str) -> np.ndarray:
         except OSError:
             pass  # a read-only cache only costs start-up time
     return array
+
+
+def _fits(name: str, stem: str, array: np.ndarray) -> bool:
+    """A cached array has the dtype, shape and label range decoding gives (the cache is a file in a shared
+    folder, which anything could have replaced; its images are not read here, its labels are: 60 kB)."""
+    if array.dtype != np.uint8 or len(array) != (60_000 if stem.startswith("train") else 10_000):  # both sets' counts
+        return False
+    if "images" in stem:
+        return array.ndim == 3 and array.shape[1:] == (28, 28)
+    return array.ndim == 1 and int(array.max()) < len(SPECS[name].classes)
 
 
 def classes(name: str) -> tuple[str, ...]:
