@@ -71,6 +71,10 @@ def test_download_checksum_parse_and_cache(name, http_folder, cache_dir, monkeyp
     (www / cifar.SPECS[name].archive).unlink()  # the second load needs no server: the archive and decoded cache
     again = cifar.load(name, None, allow_download=True)
     assert np.array_equal(again["train"][0], xtr) and list(again["classes"]) == list(got["classes"])
+    (cached,) = (cache_dir / name).glob(".*.npz")  # replaced by something else: labels out of range
+    np.savez(cached, xtr=xtr, ytr=np.full(len(ytr), 999), xte=xte, yte=yte, classes=np.array(got["classes"]))
+    third = cifar.load(name, None, allow_download=True)
+    assert np.array_equal(third["train"][1], ytr)  # decoded from the archive again, not the planted labels
 
 
 def test_the_bundle_splits_off_validation_and_trains(http_folder, cache_dir, monkeypatch, tmp_path):

@@ -116,6 +116,16 @@ def decode(raw: bytes, spec: CifarSpec, what: str) -> tuple[np.ndarray, np.ndarr
     return rows[:, spec.label_bytes:].reshape(-1, 3, 32, 32), labels
 
 
+def _fits(got: dict, n_classes: int) -> bool:
+    """Cached arrays as ``decode`` gives them: uint8 N x 3 x 32 x 32 images, as many labels, all in range."""
+    for x, y in (got["train"], got["test"]):
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (3, 32, 32) or y.shape != (len(x),) or len(x) == 0:
+            return False
+        if not np.issubdtype(y.dtype, np.integer) or int(y.min()) < 0 or int(y.max()) >= n_classes:
+            return False
+    return len(got["classes"]) == n_classes
+
+
 def load(name: str, root: str | None, allow_download: bool) -> dict:
     """``{"train": (x, y), "test": (x, y), "classes": [...]}``, from the ``.npy`` cache when it is fresh."""
     spec = SPECS[name]
@@ -134,7 +144,10 @@ def load(name: str, root: str | None, allow_download: bool) -> dict:
     if cached.is_file():
         try:
             with np.load(cached) as z:
-                return {"train": (z["xtr"], z["ytr"]), "test": (z["xte"], z["yte"]), "classes": [str(c) for c in z["classes"]]}
+                got = {"train": (z["xtr"], z["ytr"]), "test": (z["xte"], z["yte"]), "classes": [str(c) for c in z["classes"]]}
+            if _fits(got, 10 if name == "cifar10" else 100):
+                return got
+            cached.unlink(missing_ok=True)  # not what decoding gives (anything sharing the folder could write it)
         except PermissionError:
             pass  # another user's cache in a shared folder: theirs to keep; decoded from the archive instead
         except (OSError, ValueError, KeyError):
