@@ -236,7 +236,12 @@ def _laid_end_to_end(index: np.ndarray) -> bool:
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Decoded with Pillow on read. With ``cache=True`` the deterministic part of the pipeline's
     output is kept in a shared-memory tensor that the DataLoader workers fill during the first
-    epoch; later epochs read it from there and only apply the random transforms."""
+    epoch; later epochs read it from there and only apply the random transforms.
+
+    A key is an index, or ``(index, seed)`` (the training loader's, ``seeded``): the random transforms
+    then draw from torch's generator seeded with ``seed`` (forked, so the caller's stream is untouched)."""
+
+    seeded = True
 
     def __init__(self, files, labels, pipeline: Pipeline, cache: bool = False, disk: DiskCache | None = None):
         self.files, self.labels, self.pipeline, self.disk = files, labels, pipeline, disk
@@ -252,7 +257,15 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.files)
 
-    def __getitem__(self, i):
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            i, seed = key
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self._item(i)
+        return self._item(key)
+
+    def _item(self, i):
         if self.disk is not None:
             return self.disk.read(i, self.pipeline), self.labels[i]
         if self.cache is None:

@@ -85,14 +85,18 @@ class InMemoryLoader:
 
 
 class _PlanSampler(torch.utils.data.Sampler):
-    """A batch sampler whose epoch and start step are set before each pass."""
+    """A batch sampler whose epoch and start step are set before each pass. For a dataset that draws its
+    random transforms from a seed it is given (``seeded``: the image folders), each key is ``(index, seed)``
+    with the seed fixed by the run's seed, the epoch and the sample: the crops and flips of an image do
+    not depend on the number of processes, the loader's workers or where a resumed run starts."""
 
-    def __init__(self, plan: BatchPlan):
-        self.plan, self.epoch, self.start = plan, 0, 0
+    def __init__(self, plan: BatchPlan, seeded: bool = False):
+        self.plan, self.epoch, self.start, self.seeded = plan, 0, 0, seeded
 
     def __iter__(self):
+        base = (self.plan.seed * 1_000_003 + self.epoch) * 0x9E3779B1
         for idx, _ in self.plan.batches(self.epoch, self.start):
-            yield idx.tolist()
+            yield [(i, (base + i) % (1 << 62)) for i in idx.tolist()] if self.seeded else idx.tolist()
 
     def __len__(self):
         return self.plan.steps_per_epoch - self.start
@@ -102,7 +106,7 @@ class StreamLoader:
     def __init__(self, split: Split, plan: BatchPlan, device: torch.device, num_workers: int = 2,
                  prefetch: int = 2, pin_memory: bool = True, collate_fn=None):
         self.plan, self.device = plan, device
-        self.sampler = _PlanSampler(plan)
+        self.sampler = _PlanSampler(plan, getattr(split.dataset, "seeded", False))
         kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=collate_fn)
         if num_workers > 0:
             kwargs.update(prefetch_factor=prefetch, persistent_workers=True)
