@@ -1,5 +1,6 @@
 """Image folders, export, fine-tuning with frozen layers."""
 import json
+import random
 
 import numpy as np
 import pytest
@@ -200,10 +201,9 @@ def test_random_crops_are_the_same_on_any_number_of_processes_and_after_a_resume
     make_photo_folder(tmp_path / "photos", classes=3, per_class={"train": 6, "test": 2}, seed=3, min_size=40, max_size=72)
     files, labels, _ = scan(tmp_path / "photos" / "train")
     ds = ImageFolderDataset(files, labels, Pipeline(["random_resized_crop:24", "hflip"], 3))
-    torch.manual_seed(0)
-    before = torch.get_rng_state()
+    before = torch.get_rng_state(), random.getstate()
     assert torch.equal(ds[(4, 11)][0], ds[(4, 11)][0]) and not torch.equal(ds[(4, 11)][0], ds[(4, 12)][0])
-    assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is left as it was
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # the callers' streams untouched
     base = sets("data.name=imagefolder", f"data.root={tmp_path / 'photos'}", "model.name=mlp",
                 "data.train_transforms=[random_resized_crop:24, hflip]", "data.eval_transforms=[resize:24x24]",
                 "data.global_batch_size=6", "train.epochs=2", "train.progress=none", "train.threads=1",

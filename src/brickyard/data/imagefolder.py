@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import random
 import warnings
 from pathlib import Path
 
@@ -106,14 +107,15 @@ def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], li
     return files, labels, classes
 
 
-def read(path: Path, pipeline: Pipeline) -> torch.Tensor:
-    """The pipeline's output for the file at ``path`` (uint8 C x H x W), decoding only what it needs."""
+def read(path: Path, pipeline: Pipeline, rng=random) -> torch.Tensor:
+    """The pipeline's output for the file at ``path`` (uint8 C x H x W), decoding only what it needs;
+    random transforms draw from ``rng``."""
     try:
         with Image.open(path) as im:
             w, h = im.size
-            plan = pipeline.plan(h, w)
+            plan = pipeline.plan(h, w, rng)
             if plan is None:
-                return pipeline(decode(path))
+                return pipeline(decode(path), rng)
             (left, top, right, bottom), (oh, ow), _ = plan
             mode = "L" if im.mode in GREY else "RGB"
             if im.format == "JPEG":  # decode at the smallest built-in scale that still covers the output
@@ -213,12 +215,12 @@ class DiskCache:
         self.index = index[:-1]
         self.mm = np.memmap(self.pixels, dtype=np.uint8, mode="r")
 
-    def read(self, i: int, pipeline: Pipeline) -> torch.Tensor:
+    def read(self, i: int, pipeline: Pipeline, rng=random) -> torch.Tensor:
         offset, c, h, w = (int(v) for v in self.index[i])
         arr = self.mm[offset:offset + c * h * w].reshape(h, w, c)
-        plan = pipeline.plan(h, w)
+        plan = pipeline.plan(h, w, rng)
         if plan is None:
-            return pipeline(torch.from_numpy(np.array(arr)).permute(2, 0, 1).contiguous())
+            return pipeline(torch.from_numpy(np.array(arr)).permute(2, 0, 1).contiguous(), rng)
         return _resample(arr, plan, (1.0, 1.0), pipeline.channels)
 
 
@@ -239,7 +241,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     epoch; later epochs read it from there and only apply the random transforms.
 
     A key is an index, or ``(index, seed)`` (the training loader's, ``seeded``): the random transforms
-    then draw from torch's generator seeded with ``seed`` (forked, so the caller's stream is untouched)."""
+    then draw from a ``random.Random(seed)`` of their own, else from Python's ``random`` module."""
 
     seeded = True
 
@@ -258,18 +260,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, key):
-        if isinstance(key, tuple):
-            i, seed = key
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                return self._item(i)
-        return self._item(key)
-
-    def _item(self, i):
+        i, rng = (key[0], random.Random(key[1])) if isinstance(key, tuple) else (key, random)
         if self.disk is not None:
-            return self.disk.read(i, self.pipeline), self.labels[i]
+            return self.disk.read(i, self.pipeline, rng), self.labels[i]
         if self.cache is None:
-            return read(self.files[i], self.pipeline), self.labels[i]
+            return read(self.files[i], self.pipeline, rng), self.labels[i]
         if self.filled[i]:
             img = self.cache[i]
         else:
@@ -277,7 +272,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             if self.cache is not None:
                 self.cache[i] = img
                 self.filled[i] = True
-        return self.pipeline.rest(img), self.labels[i]
+        return self.pipeline.rest(img, rng), self.labels[i]
 
 
 def _drop_bad(files, labels):

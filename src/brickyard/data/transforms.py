@@ -2,8 +2,9 @@
 
 A pipeline is a list like ``["resize:36", "random_resized_crop:32", "hflip"]``. Each transform
 takes and returns a uint8 tensor C x H x W (uint8 keeps worker-to-trainer transfers small);
-normalisation happens later on the device. Randomness uses torch's RNG, which the DataLoader seeds
-per worker.
+normalisation happens later on the device. The random transforms draw from ``rng``: a ``random.Random``
+seeded per image by the training loader, else Python's ``random`` module (which the DataLoader seeds
+per worker). Python's generator, not torch's: a few scalar draws an image, each a hundred times cheaper.
 
 - ``resize:S`` shorter side to S (``resize:HxW`` exact size), bilinear with antialiasing
 - ``center_crop:S`` / ``center_crop:HxW``
@@ -14,6 +15,7 @@ per worker.
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 import torch.nn.functional as F
@@ -59,33 +61,31 @@ def _center_crop(img: torch.Tensor, size) -> torch.Tensor:
     return img[:, top:top + th, left:left + tw]
 
 
-def _crop_box(h: int, w: int) -> tuple[int, int, int, int] | None:
+def _crop_box(h: int, w: int, rng) -> tuple[int, int, int, int] | None:
     """The random-resized-crop region (top, left, height, width) of an h x w image: area 8-100%, aspect
-    3/4-4/3, ten tries (torchvision's rule); None: fall back to the centre square. Draws from torch's RNG."""
+    3/4-4/3, ten tries (torchvision's rule); None: fall back to the centre square. Draws from ``rng``."""
     area = h * w
     for _ in range(10):
-        target = area * float(torch.empty(1).uniform_(0.08, 1.0))
-        ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        target = area * rng.uniform(0.08, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
         cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
         if 0 < cw <= w and 0 < ch <= h:
-            top = int(torch.randint(0, h - ch + 1, (1,)))
-            left = int(torch.randint(0, w - cw + 1, (1,)))
-            return top, left, ch, cw
+            return rng.randint(0, h - ch), rng.randint(0, w - cw), ch, cw
     return None
 
 
-def _random_resized_crop(img: torch.Tensor, size) -> torch.Tensor:
+def _random_resized_crop(img: torch.Tensor, size, rng) -> torch.Tensor:
     size = (size, size) if isinstance(size, int) else size
     h, w = img.shape[-2:]
-    box = _crop_box(h, w)
+    box = _crop_box(h, w, rng)
     if box is None:
         return _resize(_center_crop(img, min(h, w)), size)
     top, left, ch, cw = box
     return _resize(img[:, top:top + ch, left:left + cw], size)
 
 
-def _hflip(img: torch.Tensor) -> torch.Tensor:
-    return img.flip(-1) if float(torch.rand(1)) < 0.5 else img
+def _hflip(img: torch.Tensor, rng) -> torch.Tensor:
+    return img.flip(-1) if rng.random() < 0.5 else img
 
 
 def to_channels(img: torch.Tensor, channels: int) -> torch.Tensor:
@@ -118,26 +118,26 @@ class Pipeline:
             target = self.suffix if (self.suffix or name in RANDOM) else self.prefix
             if name == "resize":
                 size = _size(arg, name)
-                target.append((_resize, size))
+                target.append((lambda img, s, _: _resize(img, s), size))
             elif name == "center_crop":
                 size = _size(arg, name)
-                target.append((_center_crop, size))
+                target.append((lambda img, s, _: _center_crop(img, s), size))
             elif name == "random_resized_crop":
                 target.append((_random_resized_crop, _size(arg, name)))
             elif name == "hflip":
-                target.append((lambda img, _: _hflip(img), None))
+                target.append((lambda img, _, rng: _hflip(img, rng), None))
             elif name in ("grayscale", "rgb"):
-                target.append((lambda img, c: to_channels(img, c), 1 if name == "grayscale" else 3))
+                target.append((lambda img, c, _: to_channels(img, c), 1 if name == "grayscale" else 3))
             else:
                 raise ConfigError(f"transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, hflip, grayscale, rgb.")
             if target is self.prefix and name in ("resize", "center_crop"):
                 fixed = name == "center_crop" or isinstance(size, tuple)
                 self.fixed_size = ((size, size) if isinstance(size, int) else size) if fixed else None
 
-    def plan(self, h: int, w: int):
+    def plan(self, h: int, w: int, rng=random):
         """``(box, (out_h, out_w), flip)``: ``box`` = (left, top, right, bottom) in the h x w original's
         pixel coordinates; None when the pipeline has a step this cannot follow (a centre crop larger
-        than the image)."""
+        than the image). Draws from ``rng`` as the step-by-step pipeline does, in the same order."""
         left, top, bw, bh = 0.0, 0.0, float(w), float(h)  # the region of the original the virtual image shows
         vh, vw, flip = h, w, False                         # the virtual image's size
         for name, _, arg in self.specs:
@@ -156,7 +156,7 @@ class Pipeline:
                         return None
                     ct, cl, ch, cw = (vh - th) // 2, (vw - tw) // 2, th, tw
                 else:
-                    box = _crop_box(vh, vw)
+                    box = _crop_box(vh, vw, rng)
                     if box is None:
                         side = min(vh, vw)
                         box = ((vh - side) // 2, (vw - side) // 2, side, side)
@@ -165,18 +165,18 @@ class Pipeline:
                 left, top, bw, bh = left + cl * sx, top + ct * sy, cw * sx, ch * sy
                 vh, vw = th, tw
             elif name == "hflip":
-                flip = float(torch.rand(1)) < 0.5
+                flip = rng.random() < 0.5
         return (left, top, left + bw, top + bh), (vh, vw), flip
 
     def first(self, img: torch.Tensor) -> torch.Tensor:
         for fn, arg in self.prefix:
-            img = fn(img, arg)
+            img = fn(img, arg, None)
         return to_channels(img, self.channels)
 
-    def rest(self, img: torch.Tensor) -> torch.Tensor:
+    def rest(self, img: torch.Tensor, rng=random) -> torch.Tensor:
         for fn, arg in self.suffix:
-            img = fn(img, arg)
+            img = fn(img, arg, rng)
         return img
 
-    def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        return self.rest(self.first(img))
+    def __call__(self, img: torch.Tensor, rng=random) -> torch.Tensor:
+        return self.rest(self.first(img), rng)
