@@ -211,7 +211,10 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
         for chunk in mine.split(batch_size):
             yield split.images[chunk].to(device), split.labels[chunk].to(device)
         return
-    subset = torch.utils.data.Subset(split.dataset, mine.tolist())
+    keys = mine.tolist()
+    if getattr(split.dataset, "seeded", False):  # random eval transforms, if any, draw the same on every run
+        keys = [(i, i) for i in keys]
+    subset = torch.utils.data.Subset(split.dataset, keys)
     workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
     loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers)
     for x, y in _clean_errors(loader):
