@@ -238,9 +238,10 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
         if heartbeat is not None:
             heartbeat.stop()
         try:
-            with contextlib.nullcontext() if done else contextlib.suppress(OSError):  # the failure in flight is the
-                metrics.close()                                                    # one to say (a full disk fails
-        finally:                                                                   # a cut row's flush again)
+            # after a failure, that failure is the one to say (a full disk fails a cut row's flush again here)
+            with contextlib.nullcontext() if done else contextlib.suppress(OSError):
+                metrics.close()
+        finally:
             log.close()
 
 
