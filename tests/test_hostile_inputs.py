@@ -87,6 +87,13 @@ def world(tmp_path_factory):
     _folder(w / "badval", {"val/b/9.png": b"\x89PNG\r\n\x1a\n cut short"})
     _folder(w / "notutf8", {b"train/a/caf\xe9-\xff.png": (w / "digit.png").read_bytes()})
     _folder(w / "clean", {})
+    (w / "oddrows").mkdir()  # rows that are objects, with values of every wrong type
+    (w / "oddrows" / "metrics.jsonl").write_text("\n".join([
+        '{"kind": "train", "step": "x", "loss": "abc", "accuracy": null, "epoch": {"a": 1}}',
+        '{"kind": "train", "step": 1, "loss": Infinity, "accuracy": NaN, "epoch": true}',
+        '{"kind": "val", "loss": 1e308, "accuracy": [1, 2], "epoch": 1}',
+        '{"kind": "train", "step": 2, "loss": 0.5, "accuracy": 0.5, "epoch": 0.5}',
+        '{"kind": "test", "step": 3, "loss": 0.4, "accuracy": 0.9, "epoch": 1.0, "confusion": [[1, 2], [3]]}']) + "\n")
     weird = run / "weird"  # a second run whose metrics.jsonl holds rows that are not objects
     r = run_cli("train", *sets(*SYNTH, "train.epochs=1", "train.plots=false"), "--run-dir", str(weird))
     assert r.returncode == 0, r.stderr
@@ -187,6 +194,7 @@ CASES = [
      "error: /proc/brickyard-out.json: "),
     ("a folder as the script", ["run", "--devices", "cpu:2", "W/clean"], 2, "script W/clean is a folder, not a Python file"),
     ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
+    ("values of the wrong types", ["plot", "W/oddrows", "--out", "W/oddplots"], 0, ""),
     # settings the device cannot honour (2 processes on CPUs)
     ("nccl on CPUs", ["train", *sets(*SYNTH, "dist.backend=nccl"), "--devices", "cpu:2", "--run-dir", "W/run",
                       "--resume", "auto"], 2, "dist.backend: nccl runs on CUDA GPUs only"),

@@ -33,7 +33,7 @@ def plot_runs(run_dirs, out: Path | None = None) -> list[Path]:
     written = [_curves(runs, out / ("curves.png" if len(runs) == 1 else "compare-curves.png"))]
     if len(runs) == 1:
         test = [x for x in read_metrics(runs[0] / "metrics.jsonl") if x.get("kind") == "test" and "confusion" in x]
-        if test:
+        if test and _square(test[-1]["confusion"]):
             written.append(_confusion(test[-1]["confusion"], out / "confusion.png"))
         if (runs[0] / "test_errors.pt").is_file():
             written.append(_misclassified(runs[0] / "test_errors.pt", out / "misclassified.png"))
@@ -68,7 +68,7 @@ class _Axes:
         self.series: list[tuple] = []
 
     def plot(self, xs, ys, color: str, style: str, label: str) -> None:
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y) and (y > 0 or not self.log)]
+        pts = [(x, y) for x, y in zip(xs, ys) if _number(x) and _number(y) and (y > 0 or not self.log)]
         if pts:
             self.series.append((pts, color, style, label))
 
@@ -120,6 +120,11 @@ class _Axes:
             self.draw.text((x + 30, cy), label, fill="black", font=font, anchor="lm")
 
 
+def _number(v) -> bool:
+    """A finite int or float: what a point of a curve can be (a row of metrics.jsonl is read as written)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e300
+
+
 def _line(d, xy, color, dash) -> None:
     if not dash:
         d.line(xy, fill=color, width=2)
@@ -154,7 +159,7 @@ def _curves(runs, path: Path) -> Path:
             pts = [x for x in rows if x.get("kind") == kind and "epoch" in x]  # test: train.test_every's points
             label = kind if len(runs) == 1 else f"{run.name}: {kind}"
             for col, key in enumerate(("step", "epoch")):
-                xs = [x[key] for x in pts]
+                xs = [x.get(key) for x in pts]
                 axes[0][col].plot(xs, [x.get("loss") for x in pts], COLORS[i % 10], kind, label)
                 axes[1][col].plot(xs, [x.get("accuracy") for x in pts], COLORS[i % 10], kind, label)
     for row in axes:
@@ -197,6 +202,12 @@ def _blue(t: float) -> tuple:
     """White to dark blue, as matplotlib's "Blues" runs."""
     a, b = (247, 251, 255), (8, 48, 107)
     return tuple(round(p + (q - p) * t) for p, q in zip(a, b))
+
+
+def _square(confusion) -> bool:
+    """A confusion matrix as brickyard writes it: n rows of n non-negative counts (n at most 1,000)."""
+    return (isinstance(confusion, list) and 0 < len(confusion) <= 1000
+            and all(isinstance(r, list) and len(r) == len(confusion) and all(_number(v) and v >= 0 for v in r) for r in confusion))
 
 
 def _confusion(confusion, path: Path) -> Path:
