@@ -247,6 +247,17 @@ def test_predict_from_python(trained):
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     res = brickyard.predict(model, torch.randn(2, 1, 2, 2), outputs=["1"])
     assert res["1"].shape == (2, 3)
+    # what Keras's and timm's users hand predict: one path, a list of tensors, "a,b" names, arrays of another size
+    from PIL import Image
+    img = trained / "one.png"
+    Image.fromarray((np.random.rand(40, 30) * 255).astype(np.uint8)).save(img)
+    ck = str(trained / "checkpoints" / "best.pt")
+    assert brickyard.predict(ck, str(img), outputs="conv1,fc")["conv1"].shape == (1, 20, 28, 28)
+    assert brickyard.predict(ck, [x[0], x[1]])["predicted"].shape == (2,)
+    with pytest.raises(BrickyardError, match=r"inputs are 1x14x14 images and the model reads 1x28x28"):
+        brickyard.predict(ck, torch.zeros(2, 1, 14, 14))
+    with pytest.raises(BrickyardError, match=r"inputs: expected a tensor or array .* got NoneType"):
+        brickyard.predict(model, None)
 
 
 def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):

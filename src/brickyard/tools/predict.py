@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from brickyard.errors import BrickyardError, DataError
+from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
@@ -73,12 +73,32 @@ def _resize(t: torch.Tensor, image_size) -> torch.Tensor:
     return out.round().clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else out
 
 
+def _as_batch(inputs, meta: dict) -> torch.Tensor:
+    """``inputs`` as one tensor: image or ``.npy`` paths (one, or a list) read as the CLI reads them, a list
+    of same-shaped tensors stacked, an array as it is."""
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(i, (str, Path)) for i in inputs):
+        return load_inputs(inputs, meta.get("in_channels", 1), meta.get("image_size", (28, 28)))[0]
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(i, torch.Tensor) for i in inputs):
+        if len({tuple(i.shape) for i in inputs}) > 1:
+            raise BrickyardError("inputs: the tensors in the list differ in shape; give one size (or image files).")
+        return torch.stack(list(inputs))
+    if not (isinstance(inputs, torch.Tensor) or hasattr(inputs, "__array__")):
+        raise BrickyardError(f"inputs: expected a tensor or array N x C x H x W, a list of tensors, or image paths; "
+                             f"got {type(inputs).__name__}.")
+    try:
+        return torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise BrickyardError(f"inputs: cannot be read as a tensor ({reason(e)}).") from None
+
+
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
     ``nn.Module`` (then inputs are used as given).
-    ``inputs``: a tensor / array N x C x H x W, or a list of image / ``.npy`` paths.
+    ``inputs``: a tensor / array N x C x H x W, a list of tensors, or image / ``.npy`` paths (one or a list).
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
     ``device``: where to run (default: an ``nn.Module``'s own device, else the CPU). A module given is
     left as it was found: on its device, in its train or eval mode (a callback may call this on
@@ -95,10 +115,14 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     else:
         model, state, _ = ckpt.load_model(model_or_checkpoint)
         meta = state.get("meta", {})
-    if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], (str, Path)):
-        x, _ = load_inputs(inputs, meta.get("in_channels", 1), meta.get("image_size", (28, 28)))
-    else:
-        x = torch.as_tensor(inputs)
+    if isinstance(outputs, str):
+        outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
+    x = _as_batch(inputs, meta)
+    if meta and x.dim() == 4 and meta.get("in_channels") and meta.get("image_size") \
+            and tuple(x.shape[1:]) != (meta["in_channels"], *meta["image_size"]):
+        c, (h, w) = meta["in_channels"], meta["image_size"]
+        raise BrickyardError(f"inputs are {'x'.join(map(str, x.shape[1:]))} images and the model reads {c}x{h}x{w}; "
+                             f"give image files (resized for you) or tensors of that size.")
     if meta:
         xf = x.float() / 255 if x.dtype == torch.uint8 else x.float()
         if meta.get("normalises"):  # an exported program normalises itself
