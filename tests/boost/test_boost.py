@@ -322,3 +322,15 @@ def test_the_boost_command_learns_with_either_method(tmp_path, method):
     rows = [json.loads(l) for l in (tmp_path / "r" / "stage2" / "metrics.jsonl").read_text().splitlines()]
     assert [r_["kind"] for r_ in rows].count("dim_reduce") == 1
     assert f"dimension-reduction stage 2 ({method}:" in (tmp_path / "r" / "stage2" / "train.log").read_text()
+
+
+def test_the_boost_command_reads_the_snapshots_where_stage1_wrote_them(tmp_path):
+    """A boost.dim_reduce.snapshots_dir of the user's: stage 1 writes there, so stage 2 reads there (it looked in
+    stage1/snapshots and said there were none)."""
+    sets_ = sets(*[s for s in SYNTH if not s.startswith("optim.lr")], "boost.dim_reduce.n_components=4",
+                 "boost.snapshots.keep=10", f"boost.dim_reduce.snapshots_dir={tmp_path / 'snaps'}")
+    r = run_cli("boost", "dim-reduce", "mnist-course", *sets_, "--stage1-epochs", "1", "--stage2-epochs", "1",
+                "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert list((tmp_path / "snaps").glob("snap-*.pt")) and not (tmp_path / "r" / "stage1" / "snapshots").exists()
+    assert f"snapshots in {tmp_path / 'snaps'}" in (tmp_path / "r" / "stage2" / "train.log").read_text()

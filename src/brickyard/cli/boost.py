@@ -45,7 +45,8 @@ def run(args) -> int:
     s1 = api.train_config(cfg.replace(**stage1), run / "stage1")
     print(f"stage 1: test accuracy {s1['test_accuracy']:.4f} after {s1['epochs']:g} epochs ({s1['train_seconds']:.1f}s)")
     changes = {"train.epochs": args.stage2_epochs, "boost.dim_reduce.enabled": True,
-               "boost.dim_reduce.snapshots_dir": str(run / "stage1" / "snapshots")}
+               # where stage 1 wrote them: a snapshots_dir of the user's, else its run's snapshots/
+               "boost.dim_reduce.snapshots_dir": cfg.boost.dim_reduce.snapshots_dir or str(run / "stage1" / "snapshots")}
     if cfg.boost.dim_reduce.batch_size:  # a stage-2 batch of its own (the authors: 1024 for CIFAR)
         changes["data.global_batch_size"] = cfg.boost.dim_reduce.batch_size
     if not args.from_init:
