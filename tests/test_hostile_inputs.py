@@ -192,6 +192,8 @@ CASES = [
      2, "holds another run"),
     ("an output in a folder that takes no file", ["predict", "W/run", "W/digit.png", "--out", "/proc/brickyard-out.json"], 1,
      "error: /proc/brickyard-out.json: "),
+    ("a negative export limit", ["data", "export", "mnist", "W/exported", "--limit", "-1"], 2,
+     "data export: --limit and --jpeg are 0"),
     ("a folder as the script", ["run", "--devices", "cpu:2", "W/clean"], 2, "script W/clean is a folder, not a Python file"),
     ("rows that are not objects", ["plot", "W/run/weird", "--out", "W/plots"], 0, ""),
     ("values of the wrong types", ["plot", "W/oddrows", "--out", "W/oddplots"], 0, ""),

@@ -14,7 +14,7 @@ from conftest import SYNTH, needs_mnist, run_cli, sets
     (["train", *sets(*SYNTH, "train.precision=fp16")], "error: train.precision: 'fp16' needs a CUDA device"),
     (["train", *sets(*SYNTH, "model.name=resnet7")], "error: model.name: 'resnet7' is not one of"),
     (["eval", "does-not-exist.pt"], "error: checkpoint does-not-exist.pt does not exist."),
-    (["data", "info", "cifar"], "error: data set 'cifar' is not one of mnist, fashion-mnist."),
+    (["data", "info", "cifar"], "error: data set 'cifar' is not one of mnist, fashion-mnist, cifar10, cifar100."),
 ])
 def test_bad_input_is_one_line_and_non_zero(args, expected, tmp_path):
     r = run_cli(*args, "--run-dir", str(tmp_path / "run")) if args[0] == "train" else run_cli(*args)

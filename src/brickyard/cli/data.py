@@ -45,8 +45,12 @@ def run(args) -> int:
     if args.name in cifar.SPECS and args.data_command != "export":
         return _cifar(args, cifar, idx)
     if args.name not in idx.SPECS:
-        raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(idx.SPECS)}.")
+        known = list(idx.SPECS) + ([] if args.data_command == "export" else list(cifar.SPECS))
+        raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(known)}"
+                             f"{' (export writes the MNIST-format sets)' if args.name in cifar.SPECS else ''}.")
     if args.data_command == "export":
+        if args.limit < 0 or args.jpeg < 0:
+            raise BrickyardError("data export: --limit and --jpeg are 0 (all images; PNG at their own size) or more.")
         from brickyard.data.export import export_idx
         counts = export_idx(args.name, Path(args.out), args.root, args.limit, args.jpeg)
         kind = f"{args.jpeg}x{args.jpeg} RGB JPEG" if args.jpeg else "PNG"
