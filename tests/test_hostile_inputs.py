@@ -263,6 +263,39 @@ def test_fit_refuses_what_it_cannot_train_in_one_sentence(call, error, tmp_path)
     assert not (tmp_path / "r").exists()
 
 
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return self.item()
+
+
+@pytest.mark.parametrize("item, words", [
+    (lambda: {"x": torch.randn(4), "y": 1}, "items must be (input, label) pairs; item 0 is a dict of x, y"),
+    (lambda: (torch.randn(4), 1, "extra"), "items must be (input, label) pairs; item 0 is a tuple of 3"),
+    (lambda: (torch.randn(4), "cat"), "item 0's label is str")])
+def test_a_dataset_of_other_items_is_one_sentence(item, words, tmp_path):
+    """A Hugging Face-style dict, a triple, a name for a label: each failed inside the loop (unpacking, .to())."""
+    from brickyard import fit
+    from brickyard.errors import DataError
+    with pytest.raises(DataError, match=re.escape(words)):
+        fit(torch.nn.Linear(4, 3), _Items(item), num_classes=3, run_dir=tmp_path / "r", overrides=["train.progress=none"])
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_dataset_of_numpy_items_trains(tmp_path):
+    from brickyard import fit
+    ds = _Items(lambda: (np.random.rand(4).astype(np.float32), 1))
+    s = fit(torch.nn.Linear(4, 3), ds, num_classes=3, run_dir=tmp_path / "r",
+            overrides=["train.progress=none", "train.precision=fp32", "train.threads=1", "train.max_steps=2",
+                       "data.batch_size=4", "train.plots=false"])
+    assert s["steps"] == 2
+
+
 def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
     """keras.datasets' arrays as they come: uint8 N x H x W images and N x 1 uint8 labels (CIFAR's shape);
     float labels train with a loss of the user's; one KEY=VALUE string is one override."""

@@ -116,9 +116,19 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     if first.images is not None:
         sample, label = first.images[0], first.labels[0]
     else:
-        sample, label = first.dataset[0]
+        item = first.dataset[0]
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            what = f"a dict of {', '.join(map(str, list(item)[:4]))}" if isinstance(item, dict) else \
+                f"a {type(item).__name__}{f' of {len(item)}' if isinstance(item, (tuple, list)) else ''}"
+            raise DataError(f"train_data: a Dataset's items must be (input, label) pairs; item 0 is {what}.")
+        sample, label = item
+        if hasattr(sample, "__array__") and not isinstance(sample, torch.Tensor):
+            sample = torch.as_tensor(np.asarray(sample))  # the DataLoader's collate turns arrays into tensors too
+        if not isinstance(label, (int, float, np.number, np.ndarray, torch.Tensor)):
+            raise DataError(f"train_data: item 0's label is {type(label).__name__}; labels are class indices (int), "
+                            f"numbers, or tensors of class probabilities.")
     if not isinstance(sample, torch.Tensor):
-        raise DataError(f"train_data: each input must be a tensor, got {type(sample).__name__}.")
+        raise DataError(f"train_data: each input must be a tensor or NumPy array, got {type(sample).__name__}.")
     shape = tuple(sample.shape)
     classify = not (isinstance(label, torch.Tensor) and label.is_floating_point()) and not isinstance(label, float)
     if num_classes is None:
