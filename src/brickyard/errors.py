@@ -13,7 +13,7 @@ class RendezvousError(BrickyardError):
     every_rank = True
 
 
-class LaunchError(BrickyardError):
+class JobEnvironmentError(BrickyardError):
     """The launcher's environment (``RANK``, ``SLURM_NTASKS`` ...) is not one brickyard can run in: said on
     every rank's console, since the rank itself may be what is wrong."""
 

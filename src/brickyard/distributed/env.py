@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from brickyard.errors import LaunchError
+from brickyard.errors import JobEnvironmentError
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def env_int(env, name: str, default: int, low: int = 0, high: int = 1 << 31) -> 
         number = None
     if number is None or not low <= number <= high:
         span = f"from {low} to {high}" if high < 1 << 31 else f"of at least {low}"
-        raise LaunchError(f"environment: {name}={value!r} is not a whole number {span}; the launcher (torchrun, srun) "
-                          f"sets it, so check the job script, or unset it to run one process.")
+        raise JobEnvironmentError(f"environment: {name}={value!r} is not a whole number {span}; the launcher "
+                                  f"(torchrun, srun) sets it, so check the job script, or unset it to run one process.")
     return number
 
 
@@ -60,8 +60,8 @@ def from_env(env=None) -> DistInfo:
                         env_int(env, "LOCAL_WORLD_SIZE", 1, low=1, high=world),
                         env_int(env, "TORCHELASTIC_RESTART_COUNT", 0))
         if info.local_rank >= info.local_world_size:
-            raise LaunchError(f"environment: LOCAL_RANK={info.local_rank} is not below LOCAL_WORLD_SIZE="
-                              f"{info.local_world_size}; check the job script, or unset both to run one process.")
+            raise JobEnvironmentError(f"environment: LOCAL_RANK={info.local_rank} is not below LOCAL_WORLD_SIZE="
+                                      f"{info.local_world_size}; check the job script, or unset both to run one process.")
         if world > 1 and env.get("MASTER_PORT"):
             env_int(env, "MASTER_PORT", 0, low=1, high=65535)
         return info

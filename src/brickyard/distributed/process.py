@@ -17,7 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from brickyard.distributed.env import DistInfo, from_env  # noqa: F401  (re-exported: dist.from_env())
-from brickyard.errors import LaunchError, RendezvousError
+from brickyard.errors import JobEnvironmentError, RendezvousError
 from brickyard.distributed import network
 
 
@@ -38,8 +38,9 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
         os.environ.setdefault("MASTER_PORT", str(info.master[1]))
         network.use_interface(network.route_to(*info.master)[1])
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):  # torch's env:// would say "expected"
-        raise LaunchError(f"environment: WORLD_SIZE={info.world_size} but MASTER_ADDR and MASTER_PORT are not both set, so "
-                          f"the processes cannot meet; start them with `brickyard train --devices cpu:N` or torchrun.")
+        raise JobEnvironmentError(f"environment: WORLD_SIZE={info.world_size} but MASTER_ADDR and MASTER_PORT are not both "
+                                  f"set, so the processes cannot meet; start them with `brickyard train --devices cpu:N` "
+                                  f"or torchrun.")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
         # group can read the dead workers' addresses and fail to connect

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from brickyard.distributed.env import env_int
-from brickyard.errors import LaunchError
+from brickyard.errors import JobEnvironmentError
 
 
 def from_slurm(env, make):
@@ -26,8 +26,8 @@ def from_slurm(env, make):
     if "MASTER_ADDR" not in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_STEP_NODELIST")
         if not nodelist:
-            raise LaunchError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
-                              "to find rank 0; run it with srun inside an allocation.")
+            raise JobEnvironmentError("under Slurm (SLURM_NTASKS > 1) brickyard needs MASTER_ADDR or SLURM_JOB_NODELIST "
+                                      "to find rank 0; run it with srun inside an allocation.")
         job = env.get("SLURM_JOB_ID", "0")[-4:]
         port = env_int(env, "MASTER_PORT", 15000 + (int(job) if job.isdecimal() else 0), low=1, high=65535)
         master = (slurm_hosts(nodelist)[0], port)
@@ -47,7 +47,7 @@ def slurm_hosts(nodelist: str) -> list[str]:
             items.append(nodelist[start:i].strip())
             start = i + 1
     if depth != 0 or not all(items):
-        raise LaunchError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
+        raise JobEnvironmentError(f"Slurm node list {nodelist!r} is not of the form node[01-03,07],other.")
     return [host for item in items for host in _expand_one(item, nodelist)]
 
 
@@ -60,7 +60,7 @@ def _expand_one(item: str, nodelist: str) -> list[str]:
     for part in body.split(","):
         lo, _, hi = part.partition("-")
         if not lo.isdecimal() or not (hi or lo).isdecimal() or int(hi or lo) < int(lo):
-            raise LaunchError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
+            raise JobEnvironmentError(f"Slurm node list {nodelist!r}: {part!r} is not a number or a range like 01-03.")
         numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
     return [head + n + t for n in numbers for t in _expand_one(tail, nodelist)]
 
@@ -72,8 +72,8 @@ def slurm_tasks_per_node(spec: str) -> list[int]:
         count, _, times = part.partition("(x")
         times = times.removesuffix(")") or "1"
         if not (count.isdecimal() and times.isdecimal()) or int(count) < 1 or len(out) + int(times) > 1 << 16:
-            raise LaunchError(f"environment: SLURM_TASKS_PER_NODE={spec!r} is not Slurm's form (2(x3),1: tasks of each "
-                              f"node); run brickyard with srun inside an allocation.")
+            raise JobEnvironmentError(f"environment: SLURM_TASKS_PER_NODE={spec!r} is not Slurm's form (2(x3),1: tasks "
+                                      f"of each node); run brickyard with srun inside an allocation.")
         out += [int(count)] * int(times)
     return out
 
