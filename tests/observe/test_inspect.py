@@ -258,6 +258,7 @@ def test_predict_from_python(trained):
         brickyard.predict(ck, torch.zeros(2, 1, 14, 14))
     with pytest.raises(BrickyardError, match=r"inputs: expected a tensor or array .* got NoneType"):
         brickyard.predict(model, None)
+    assert brickyard.predict(model, [[[[0.1, 0.2], [0.3, 0.4]]]])["predicted"].shape == (1,)  # nested lists, as before
 
 
 def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):

@@ -84,7 +84,7 @@ def _as_batch(inputs, meta: dict) -> torch.Tensor:
         if len({tuple(i.shape) for i in inputs}) > 1:
             raise BrickyardError("inputs: the tensors in the list differ in shape; give one size (or image files).")
         return torch.stack(list(inputs))
-    if not (isinstance(inputs, torch.Tensor) or hasattr(inputs, "__array__")):
+    if not (isinstance(inputs, (torch.Tensor, list, tuple)) or hasattr(inputs, "__array__")):  # nested lists too
         raise BrickyardError(f"inputs: expected a tensor or array N x C x H x W, a list of tensors, or image paths; "
                              f"got {type(inputs).__name__}.")
     try:
