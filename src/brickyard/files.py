@@ -64,44 +64,37 @@ def file_mode() -> int:
 
 @contextlib.contextmanager
 def naming(path):
-    """Inside, an ``OSError`` that names no file (a write's: no space, a size limit) names ``path``, as
-    the CLI says it: "PATH: reason". For files appended to as a run goes (``metrics.jsonl``, ``metrics.csv``)."""
+    """Inside, an ``OSError`` that names no file (a write's: no space, a size limit) or only one of
+    ``write_atomic``'s temporaries names ``path`` instead, as the CLI says it: "PATH: reason"."""
     try:
         yield
     except OSError as e:
-        if e.filename is None:
+        if e.filename is None or _TEMP.match(os.path.basename(os.fsdecode(e.filename))):
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
 def write_atomic(path: str | Path, data: bytes | str | Writer) -> Path:
     """Replace ``path`` with ``data`` (bytes, text, or a function that writes to a binary file) in one
-    step; see the module docstring. An ``OSError`` (no space, a size limit, no permission) leaves the
-    old file and no temporary behind and is raised naming ``path``."""
+    step; see the module docstring. An ``OSError`` (no space, a size limit, no permission, a folder that
+    takes no new file) leaves the old file and no temporary behind and is raised naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with naming(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:  # a folder that takes no new file (/proc, read-only): name the target, not the temporary
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), file_mode())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.filename in (None, tmp):  # a write error names no file or the temporary: say which (the CLI prints "PATH: reason")
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if callable(data):
+                    data(f)
+                else:
+                    f.write(data.encode() if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+                os.fchmod(f.fileno(), file_mode())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     sync_folder(path.parent)
     return path
 
