@@ -13,7 +13,7 @@ import sys
 from brickyard import api
 from brickyard.config import load_config
 from brickyard.training import checkpoint
-from conftest import SYNTH, free_port, sets
+from conftest import ACROSS_ORDERS, SYNTH, free_port, sets
 
 JOB = [s for s in SYNTH if not s.startswith("data.batch_size")] + [
     "data.global_batch_size=50", "train.deterministic=true", "train.max_steps=8", "train.epochs=10"]
@@ -45,4 +45,4 @@ def test_a_pytorchjob_of_two_pods_trains_one_run(tmp_path):
     api.train_config(load_config("mnist", JOB), one)
     a = checkpoint.load(checkpoint.step_checkpoints(run / "checkpoints")[-1])["model"]
     b = checkpoint.load(checkpoint.step_checkpoints(one / "checkpoints")[-1])["model"]
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < ACROSS_ORDERS

@@ -17,7 +17,7 @@ import netns
 from brickyard import api
 from brickyard.training import checkpoint
 from brickyard.config import load_config
-from conftest import SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
 
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network hosts: {REASON}")
@@ -81,7 +81,7 @@ def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
     assert f"global batch 48 ({48 // world} per device x {world} x 1 accumulation)" in out0 + (run / "train.log").read_text()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == world and summary["steps"] == 12
-    assert _diff(_final(one), _final(run)) < 1e-5  # fp32 sums in another order: 1e-7..1e-6 measured
+    assert _diff(_final(one), _final(run)) < ACROSS_ORDERS
     # one log per worker, each on the node that ran it; checkpoints and metrics once (global rank 0)
     logs = {i: sorted(p.name for p in (run / f"logs-node{i}").iterdir()) for i in range(2)}
     assert sorted(logs[0] + logs[1]) == [f"workerlog.{r}" for r in range(world)]
@@ -108,7 +108,7 @@ def test_slurm_variables_set_by_hand_on_two_hosts(hosts, one, tmp_path):
         assert rc == 0, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12
-    assert _diff(_final(one), _final(run)) < 1e-5
+    assert _diff(_final(one), _final(run)) < ACROSS_ORDERS
 
 
 LONG = [s for s in SAME if not s.startswith(("train.max_steps", "train.epochs", "dist.timeout_s"))] + [
@@ -184,7 +184,7 @@ def test_a_run_resumed_on_another_number_of_nodes_keeps_its_data_position(hosts,
     assert again.returncode == 0, again.stderr
     assert "resumed from" in (run / "train.log").read_text()
     assert json.loads((run / "summary.json").read_text())["world_size"] == 1
-    assert _diff(_final(one), _final(run)) < 1e-5
+    assert _diff(_final(one), _final(run)) < ACROSS_ORDERS
 
 
 def test_elastic_a_node_joins_then_leaves_and_the_global_batch_holds(hosts, tmp_path):

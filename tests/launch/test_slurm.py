@@ -16,7 +16,7 @@ import pytest
 
 import slurm_cluster
 from brickyard.training import checkpoint
-from conftest import ROOT, SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, ROOT, SYNTH, run_cli, sets
 
 pytestmark = pytest.mark.skipif(slurm_cluster.unavailable() is not None, reason=str(slurm_cluster.unavailable()))
 
@@ -57,7 +57,7 @@ def test_srun_two_tasks_train_as_one_process_would_in_one_run_directory(cluster,
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["workerlog.0", "workerlog.1"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12
-    assert _diff(_final(one)["model"], _final(run)["model"]) < 1e-5
+    assert _diff(_final(one)["model"], _final(run)["model"]) < ACROSS_ORDERS
     assert r.stdout.count("test accuracy:") == 1  # rank 0 alone prints the result
 
 
