@@ -82,6 +82,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
     data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None)
     models.initialise(model, cfg.model.init)
+    if cfg.model.whiten:
+        models.whiten(model, data, type(model).__name__)
     run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},

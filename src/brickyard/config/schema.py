@@ -80,6 +80,7 @@ class ModelConfig:
     patch_size: int = _opt(0, min=0, doc="vit_*: patch side in pixels (0 = auto: 4 for 28-32 px, 8 for 64 px, 16 for 224 px)")
     drop_path: float = _opt(0.0, min=0.0, max=0.95, doc="stochastic depth for the ResNets and ViTs: the last block's rate, rising linearly from 0 over the blocks (timm's --drop-path)")
     init: str = _opt("default", doc="weight initialisation of every conv and linear layer (biases zero): default (the model's own), normal:STD, xavier, xavier_normal, kaiming, kaiming_uniform")
+    whiten: bool = _opt(False, doc="set the first convolution's filters from the training images (the principal directions of its patches, scaled to unit variance, and their negatives; airbench's whitening layer) and freeze them")
     head: str = _opt("default", choices=("default", "linear"), doc="vgg16: linear replaces the three-layer 4096-unit classifier with one linear layer on globally pooled features")
 
 

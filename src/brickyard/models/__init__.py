@@ -13,6 +13,7 @@ from torch import nn
 
 from brickyard.config.checks import init_method
 from brickyard.errors import ConfigError, reason
+from brickyard.models.whitening import whiten
 
 _REGISTRY: dict[str, tuple[Callable[..., nn.Module], str]] = {}
 
@@ -105,7 +106,13 @@ def build(cfg, data):
                           f"leave it 0 to follow the data.")
     if data.train_size is not None:
         _reads(model, m.name, channels, data)
-    return initialise(model, m.init)
+    initialise(model, m.init)
+    if m.whiten:
+        if cfg.finetune.init_from:
+            raise ConfigError(f"model.whiten sets the first convolution from the data and finetune.init_from loads it from "
+                              f"{cfg.finetune.init_from}; choose one.")
+        whiten(model, data, m.name)
+    return model
 
 
 def _reads(model: nn.Module, name: str, channels: int, data) -> None:

@@ -31,6 +31,7 @@ from brickyard.distributed import fsdp, gradsync
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, ConfigError
+from brickyard.models import whitening
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.optim import OptimizerUpdate, Schedule, build_optimizer, describe_groups, param_groups
@@ -302,6 +303,8 @@ def announce(run: Run, host: dev.Host, info, measured: dict | None = None) -> No
     log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
+    if cfg.model.whiten:
+        log.info(whitening.describe(run.model, whitening.images_used(data)))
     accum, peak = cfg.train.grad_accum, run._engine.peak_lr
     parts = device_batches(cfg.data, accum, run._engine.data_world)
     shown = str(parts[0]) if len(set(parts)) == 1 else "-".join(map(str, sorted(set(parts), reverse=True)))
