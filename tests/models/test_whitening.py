@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import brickyard
+import brickyard.errors
 from brickyard.config import load_config
 from brickyard.data import build_data
 from brickyard.models import whitening
@@ -128,3 +129,16 @@ def test_an_image_folder_is_whitened_from_its_first_images_with_the_same_draws_e
     assert r.returncode == 0, r.stderr
     assert "model.whiten: conv1's 20 filters whiten its 3x5x5 patches (10 principal directions of 12 training images" in r.stdout
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+def test_stranger_floats_are_one_sentence_and_big_images_are_read_in_part(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    x, y = torch.rand(16, 1, 8, 8), torch.arange(16) % 2
+    x[3, 0, 4, 4] = float("nan")
+    with pytest.raises(brickyard.errors.DataError, match=r"^model.whiten: the first 16 training images hold NaN or infinite values"):
+        brickyard.fit(model, (x, y), run_dir=tmp_path / "r", overrides=["model.whiten=true", "train.device=cpu",
+                                                                        "train.precision=fp32", "train.progress=none"])
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    from brickyard.data import from_user
+    big = from_user((torch.zeros(400, 3, 224, 224, dtype=torch.uint8), torch.arange(400) % 2))
+    assert whitening.images_used(big) == 332  # 5e7 values of 150,528 each, not 400 (nor airbench's 5,000)

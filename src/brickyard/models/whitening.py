@@ -23,13 +23,14 @@ import math
 import torch
 from torch import nn
 
-from brickyard.errors import ConfigError
+from brickyard.errors import ConfigError, DataError
 
 IMAGES = 5_000    # airbench94's count, from images held in memory
 FROM_FILES = 512  # from an image folder: each is decoded and transformed (a 224 px JPEG: several ms)
 EPS = 5e-4        # airbench94's init_whitening_conv default, for images normalised to unit variance
 _CHUNK = 256      # images whose patches are gathered at once
 _WORK = 2e9       # multiply-adds the covariance may take (a second or two; 5,000 28 px images at 3x3: 0.3e9)
+_VALUES = 5e7     # image values read from memory at once (200 MB as float32: 5,000 CIFAR images, 330 at 224 px)
 
 
 def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d] | None:
@@ -38,8 +39,14 @@ def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d] | None:
 
 
 def images_used(data, count: int = IMAGES) -> int:
-    """How many training images ``whiten`` reads from ``data`` (a ``DataBundle``)."""
-    return min(count if data.train.images is not None else min(count, FROM_FILES), len(data.train))
+    """How many training images ``whiten`` reads from ``data`` (a ``DataBundle``): ``count`` held in memory
+    (no more than ``_VALUES`` values in all), ``FROM_FILES`` read from files."""
+    images = data.train.images
+    if images is None:
+        count = min(count, FROM_FILES)
+    elif len(images):
+        count = min(count, max(1, int(_VALUES // max(images[0].numel(), 1))))
+    return min(count, len(data.train))
 
 
 def _images(data, count: int) -> torch.Tensor:
@@ -48,7 +55,7 @@ def _images(data, count: int) -> torch.Tensor:
     bytes scaled and normalised as the device preparation does, floats as they are."""
     split = data.train
     if split.images is not None:
-        x = split.images[:count]
+        x = split.images[:images_used(data, count)]
     else:
         ds = split.as_dataset()
         seeded = getattr(ds, "seeded", False)
@@ -112,7 +119,11 @@ def whiten(model: nn.Module, data, name: str, count: int = IMAGES) -> str:
     if x.shape[2] < kh or x.shape[3] < kw:
         raise ConfigError(f"model.whiten: the training images ({x.shape[2]}x{x.shape[3]}) are smaller than {layer_name}'s "
                           f"{kh}x{kw} filters.")
-    filters = whitening_filters(patch_covariance(x, (kh, kw)), conv.out_channels)
+    cov = patch_covariance(x, (kh, kw))
+    if not torch.isfinite(cov).all():
+        raise DataError(f"model.whiten: the first {len(x):,} training images hold NaN or infinite values; clean them or "
+                        f"turn it off.")
+    filters = whitening_filters(cov, conv.out_channels)
     with torch.no_grad():
         conv.weight[: len(filters)] = filters.view(len(filters), conv.in_channels, kh, kw).to(conv.weight.dtype)
     conv.weight.requires_grad_(False)
