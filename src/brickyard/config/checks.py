@@ -86,6 +86,9 @@ def cross_check(cfg) -> None:
     if cfg.data.rand_augment:
         rand_augment_policy(cfg.data.rand_augment)
     init_method(cfg.model.init)
+    if cfg.model.whiten and cfg.finetune.init_from:
+        raise ConfigError(f"model.whiten sets the first convolution from the data and finetune.init_from loads it from "
+                          f"{cfg.finetune.init_from}; choose one.")
     for item in cfg.finetune.freeze:
         if str(item).startswith("all_but_last") and not str(item).partition(":")[2].strip().isdigit():
             raise ConfigError(f"finetune.freeze: {item!r}: write all_but_last:N, N the number of layers left to train.")

@@ -108,9 +108,6 @@ def build(cfg, data):
         _reads(model, m.name, channels, data)
     initialise(model, m.init)
     if m.whiten:
-        if cfg.finetune.init_from:
-            raise ConfigError(f"model.whiten sets the first convolution from the data and finetune.init_from loads it from "
-                              f"{cfg.finetune.init_from}; choose one.")
         whiten(model, data, m.name)
     return model
 

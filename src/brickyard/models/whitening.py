@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from brickyard.data.augment import DevicePrep
 from brickyard.errors import ConfigError, DataError
 
 IMAGES = 5_000    # airbench94's count, from images held in memory
@@ -65,11 +66,7 @@ def _images(data, count: int) -> torch.Tensor:
                               f"({', '.join(sorted({'x'.join(map(str, t.shape)) for t in first})[:3])}); make the training "
                               f"transforms end at one size, or turn it off.")
         x = torch.stack(first)
-    if x.dtype == torch.uint8:
-        mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
-        return (x.float() / 255.0 - mean) / std
-    return x.float()
+    return DevicePrep(data.mean, data.std)(x).float()
 
 
 def patch_covariance(images: torch.Tensor, kernel: tuple[int, int]) -> torch.Tensor:
@@ -99,9 +96,9 @@ def whitening_filters(cov: torch.Tensor, out_channels: int, eps: float = EPS) ->
     return torch.cat((scaled, -scaled)).float()
 
 
-def whiten(model: nn.Module, data, name: str, count: int = IMAGES) -> str:
+def whiten(model: nn.Module, data, name: str, count: int = IMAGES) -> None:
     """Set and freeze ``model``'s first convolution as the module docstring says, from ``data``'s first
-    ``count`` training images; returns the sentence the run's log shows. ``name``: the model's, for errors."""
+    ``count`` training images (``describe`` says it for the run's log). ``name``: the model's, for errors."""
     found = first_conv(model)
     if found is None:
         raise ConfigError(f"model.whiten sets a model's first convolution from the data, and {name} has none; turn it off.")
@@ -127,7 +124,6 @@ def whiten(model: nn.Module, data, name: str, count: int = IMAGES) -> str:
     with torch.no_grad():
         conv.weight[: len(filters)] = filters.view(len(filters), conv.in_channels, kh, kw).to(conv.weight.dtype)
     conv.weight.requires_grad_(False)
-    return describe(model, len(x))
 
 
 def describe(model: nn.Module, images: int) -> str:
