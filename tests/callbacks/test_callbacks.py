@@ -215,6 +215,8 @@ SCRIPT = textwrap.dedent('''
     with open(f"{out}.{os.environ['RANK']}", "w") as f:
         json.dump({"calls": cb.calls, "world": summary["world_size"], "steps": summary["steps"],
                    "group_alive": torch.distributed.is_initialized()}, f)
+    if os.environ.get("OWN_GROUP"):  # torch asks its owner to end it: torch 2.13's gloo can abort an exit without
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", pytorch#190489)
 ''')
 
 
