@@ -140,13 +140,19 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
     return ckpt.load_model(path)
 
 
-def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict:
+def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: str | None = None) -> dict:
+    """One split's loss and accuracy for a checkpoint, as its run's test pass computes them. ``tta``
+    (none, flip, flip-shift) overrides the run's ``data.tta``; flip-shift moves images the run's
+    ``data.shift`` pixels, or 1 where the run had none."""
     path = ckpt.pick(Path(path))
     model, state, cfg = ckpt.load_model(path)
+    tta = cfg.data.tta if tta is None else tta
     data = build_data(cfg.data)
     part = getattr(data, split)
     if part is None:
         raise ConfigError(f"--split {split}: this data set has no {split} split (data.train_on_all is on?).")
+    if tta != "none" and not data.is_images:
+        raise ConfigError(f"--tta {tta} moves and mirrors images (N x C x H x W); this data set's inputs are not images.")
     d = dev.resolve_device(device)
     # channels-last and precision as the run's own test pass had them on this machine (auto: measured)
     cl = data.is_images and dev.resolve_channels_last(cfg.train.channels_last, cfg.train.precision, d)
@@ -155,5 +161,5 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto") -> dict
     precision = for_model(cfg.train.precision, model, data, batch if batch > 1 else cfg.data.eval_batch_size, d, cl)
     prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d)
     r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
-                 tta=cfg.data.tta, shift=cfg.data.shift)
-    return {"checkpoint": str(path), "split": split, "step": state["step"], **r}
+                 tta=tta, shift=cfg.data.shift or 1)
+    return {"checkpoint": str(path), "split": split, "step": state["step"], "tta": tta, **r}

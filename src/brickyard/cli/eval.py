@@ -7,6 +7,7 @@ import json
 EXAMPLES = """examples:
   brickyard eval runs/mnist-20261121-120000/checkpoints/best.pt
   brickyard eval runs/a/checkpoints/step-0000782.pt --split val
+  brickyard eval runs/a --tta flip-shift     # the best checkpoint, scored with its mirror and 1-pixel moves
 """
 
 
@@ -16,11 +17,15 @@ def add(sub) -> None:
     e.add_argument("checkpoint", help="a checkpoint file, or a run directory (its best.pt, else its newest step)")
     e.add_argument("--split", choices=("val", "test", "train"), default="test")
     e.add_argument("--device", default="auto")
+    e.add_argument("--tta", choices=("none", "flip", "flip-shift"), default=None,
+                   help="test-time augmentation (default: the run's data.tta): flip averages each image's class "
+                        "probabilities with its mirror's; flip-shift adds both moved data.shift pixels (1 where the "
+                        "run had none) four ways")
 
 
 def run(args) -> int:
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard.api import evaluate_checkpoint
-    r = evaluate_checkpoint(args.checkpoint, args.split, args.device)
+    r = evaluate_checkpoint(args.checkpoint, args.split, args.device, args.tta)
     print(json.dumps(r))
     return 0
