@@ -40,6 +40,33 @@ def test_every_format_predicts_what_the_checkpoint_predicts(trained, tmp_path, f
     assert np.allclose(got["probabilities"], want["probabilities"], atol=1e-4)
 
 
+def test_safetensors_rebuilds_a_model_with_options_that_change_its_layers(tmp_path):
+    """A ViT trained at patch size 7 (the mnist-vit preset's; auto picks 4 at 28 px): the exported weights
+    carry the option, so predict rebuilds the same model and predicts what the checkpoint predicts."""
+    run = tmp_path / "run"
+    r = run_cli("train", *sets(*SYNTH, "model.name=vit_tiny", "model.patch_size=7", "train.max_steps=2",
+                                "train.plots=false", "train.tensorboard=false"), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    x = tmp_path / "x.npy"
+    np.save(x, (np.random.default_rng(0).random((3, 1, 28, 28)) * 255).astype(np.uint8))
+    out = tmp_path / "vit.safetensors"
+    assert run_cli("export", str(run), "--format", "safetensors", "--out", str(out)).returncode == 0
+    want = json.loads(run_cli("predict", str(run), str(x)).stdout)
+    got = run_cli("predict", str(out), str(x))
+    assert got.returncode == 0, got.stderr
+    assert np.allclose(json.loads(got.stdout)["probabilities"], want["probabilities"], atol=1e-5)
+    # a file whose options were lost (as written before they were recorded) names the layer that differs
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(out), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()["brickyard.json"]), {k: f.get_tensor(k) for k in f.keys()}
+    del meta["options"]
+    bare = tmp_path / "bare.safetensors"
+    save_file(tensors, str(bare), metadata={"brickyard.json": json.dumps(meta)})
+    r = run_cli("predict", str(bare), str(x))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {bare}: pos_embed has shape (1, 17, 192), the model expects (1, 50, 192).", r.stderr
+
+
 def test_export_mistakes_are_one_sentence(trained, tmp_path):
     r = run_cli("export", str(trained), "--format", "torch-export", "--out", str(tmp_path / "m.pt"))
     assert r.returncode == 2 and r.stderr.strip() == f"error: --out {tmp_path / 'm.pt'}: a torch-export file's name ends in .pt2 (that is how predict knows it)."

@@ -28,6 +28,7 @@ from brickyard import models
 from brickyard.errors import BrickyardError, reason
 from brickyard.files import write_atomic
 from brickyard.training import checkpoint as ckpt
+from brickyard.training.checkpoint import check_model
 
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2", "onnx": ".onnx"}
 _META = "brickyard.json"
@@ -57,7 +58,8 @@ def export(source, fmt: str, out: Path | None = None, notes: list | None = None)
     model, state, _ = ckpt.load_model(path)
     model.eval()
     meta = {k: state["meta"].get(k) for k in ("name", "classes", "mean", "std", "image_size", "in_channels", "num_classes")}
-    meta.update(registry=True, format=fmt, step=state["step"])
+    # the model.* options the run built its layers with (a ViT's patch size, VGG's head): safetensors rebuilds from them
+    meta.update(registry=True, format=fmt, step=state["step"], options=dict(state["meta"].get("options") or {}))
     out = Path(out) if out else path.with_suffix(FORMATS[fmt])
     if not out.name.endswith(FORMATS[fmt]) or out.name == FORMATS[fmt]:
         raise BrickyardError(f"--out {out}: a {fmt} file's name ends in {FORMATS[fmt]} (that is how predict knows it).")
@@ -204,7 +206,8 @@ def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
             if not meta.get("name"):
                 raise BrickyardError(f"{path} holds weights without brickyard's metadata; load them with finetune.init_from.")
             model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]),
-                                  **meta.get("options", {}))
+                                  **dict(meta.get("options") or {}))
+            check_model({"model": tensors, "meta": {"model": meta["name"]}}, model, path, what="")  # a mismatch names its key
             model.load_state_dict(tensors)
             return model.eval(), meta
         if path.suffix == ".onnx":  # a graph of standard operators: data, not code brickyard would run

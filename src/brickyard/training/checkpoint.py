@@ -70,8 +70,9 @@ def newest_valid(folder: Path, warn) -> tuple[Path, dict] | None:
     return None
 
 
-def check_model(state: dict, model: torch.nn.Module, path: Path) -> None:
-    """Raise a ``CheckpointError`` naming the first key or shape that does not fit ``model``."""
+def check_model(state: dict, model: torch.nn.Module, path: Path, what: str = "checkpoint ") -> None:
+    """Raise a ``CheckpointError`` naming the first key or shape that does not fit ``model``; ``what``
+    precedes the path (``""`` for an exported file)."""
     own = model.state_dict()
     theirs = state["model"]
     missing = [k for k in own if k not in theirs]
@@ -79,12 +80,12 @@ def check_model(state: dict, model: torch.nn.Module, path: Path) -> None:
     if missing or unexpected:
         saved = state.get("meta", {}).get("model", "another model")
         raise CheckpointError(
-            f"checkpoint {path} holds {saved}, which does not fit this model: "
+            f"{what}{path} holds {saved}, which does not fit this model: "
             f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}."
         )
     for k, v in own.items():
         if tuple(theirs[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(theirs[k].shape)}, the model expects {tuple(v.shape)}.")
+            raise CheckpointError(f"{what}{path}: {k} has shape {tuple(theirs[k].shape)}, the model expects {tuple(v.shape)}.")
 
 
 class Checkpoints:
