@@ -140,3 +140,42 @@ def test_a_missing_tracker_package_is_one_sentence_naming_the_extra_and_writes_n
     assert not (tmp_path / "r").exists()
     bad = run_cli("train", "mnist", *sets(*RUN, "train.loggers=[neptune]"), "--run-dir", str(tmp_path / "b"))
     assert bad.returncode == 2 and "train.loggers: 'neptune' is not one of tensorboard, csv, mlflow, wandb." in bad.stderr
+
+
+@needs_mlflow
+def test_a_tracking_server_that_takes_no_connection_is_one_sentence_within_seconds_and_writes_nothing(tmp_path):
+    """MLflow's client retries a refused connection for about four minutes; the run says so at once."""
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    r = run_cli("train", "mnist", *sets(*RUN, "train.loggers=[mlflow]"), "--run-dir", str(tmp_path / "r"),
+                env={"MLFLOW_TRACKING_URI": uri}, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: train.loggers: mlflow: no tracking server answers at {uri} (Connection refused); start it, or point "
+        f"MLFLOW_TRACKING_URI at one (a local store: sqlite:///mlflow.db).")
+    assert time.monotonic() - start < 60 and not (tmp_path / "r").exists()
+
+
+@needs_mlflow
+def test_a_damaged_or_foreign_tracker_record_is_one_sentence_and_the_run_is_left_as_it_was(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    run = tmp_path / "r"
+    assert run_cli("train", "mnist", *sets(*RUN, "train.loggers=[mlflow]"), "--run-dir", str(run), env=env,
+                   cwd=tmp_path).returncode == 0
+    record = run / "trackers.json"
+    before = {p.name: p.read_bytes() for p in (run / "metrics.jsonl", run / "summary.json")}
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    for text in ('{"mlflow": ', '["x"]', '{"mlflow": 5}'):  # cut short, not an object, an id that is not a string
+        record.write_text(text)
+        r = run_cli("train", *sets("train.max_steps=16"), "--run-dir", str(run), "--resume", "auto", env=env, cwd=tmp_path)
+        assert r.returncode != 0 and r.stderr.strip() == (
+            f"error: {record} is not a record of tracker run ids ({{\"mlflow\": \"ID\", ...}}); delete it to start new "
+            f"tracker runs, or put back the ids of the runs to continue."), r.stderr
+        assert record.read_text() == text
+    record.write_text('{"mlflow": "0123abcd"}')  # a run of another store (MLFLOW_TRACKING_URI changed)
+    r = run_cli("train", *sets("train.max_steps=16"), "--run-dir", str(run), "--resume", "auto", env=env, cwd=tmp_path)
+    assert r.returncode != 0 and r.stderr.startswith(
+        f"error: train.loggers: mlflow could not start a run at {uri}: the run 0123abcd that {record} names is not there ("), r.stderr
+    assert "point MLFLOW_TRACKING_URI at the store this run used" in r.stderr
+    assert {p.name: p.read_bytes() for p in (run / "metrics.jsonl", run / "summary.json")} == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == steps

@@ -21,11 +21,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
+import urllib.parse
 import uuid
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
-from brickyard.errors import BrickyardError, ConfigError, reason
+from brickyard.errors import BrickyardError, ConfigError
 from brickyard.files import write_json
 
 TRACKERS = ("mlflow", "wandb")
@@ -40,6 +42,50 @@ def check_installed(names) -> None:
     for name in names:
         if name in TRACKERS and importlib.util.find_spec(_EXTRA[name]) is None:
             raise ConfigError(f"train.loggers: {name} needs the {name} package: pip install 'brickyard[{name}]'.")
+
+
+def check_reachable(names, timeout: float = 10.0) -> None:
+    """An MLflow tracking server (an ``http(s)://`` tracking URI) that takes no connection is one sentence
+    before the run starts: MLflow's client retries a refused connection for about four minutes (seven
+    retries with a backoff factor of 2) before it says so. Only the connection is tried; MLflow's own
+    retries still cover a server that goes away later."""
+    if "mlflow" not in names:
+        return
+    import mlflow  # optional dependency; get_tracking_uri follows MLFLOW_TRACKING_URI and mlflow.set_tracking_uri
+    uri = mlflow.get_tracking_uri()
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or _said(e)
+        raise ConfigError(f"train.loggers: mlflow: no tracking server answers at {uri} ({why}); start it, or point "
+                          f"MLFLOW_TRACKING_URI at one (a local store: sqlite:///mlflow.db).") from None
+
+
+def _said(e: BaseException, limit: int = 240) -> str:
+    """A tracker's exception in one line: its message's lines joined (pydantic and HTTP errors put the
+    reason on the second), at most ``limit`` characters."""
+    text = " ".join(str(e).split())
+    return (text[:limit - 3] + "...") if len(text) > limit else (text or type(e).__name__)
+
+
+def saved_ids(path: Path) -> dict[str, str]:
+    """The tracker run ids a run directory keeps (``trackers.json``: ``{"mlflow": ID, "wandb": ID}``);
+    a file that is not that is one sentence, and it is left as it is."""
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        saved = e
+    if not isinstance(saved, dict) or not all(isinstance(v, str) and v for v in saved.values()):
+        raise BrickyardError(f"{path} is not a record of tracker run ids ({{\"mlflow\": \"ID\", ...}}); delete it "
+                             f"to start new tracker runs, or put back the ids of the runs to continue.")
+    return saved
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -64,7 +110,12 @@ class _MLflow:
         import mlflow  # optional dependency (brickyard[mlflow]), loaded when a run asks for it
         self.mlflow = mlflow
         if saved:
-            self.run = mlflow.start_run(run_id=saved)
+            try:
+                self.run = mlflow.start_run(run_id=saved)
+            except Exception as e:  # noqa: BLE001  most often another store than the run's (MLFLOW_TRACKING_URI changed)
+                raise BrickyardError(f"the run {saved} that {run_dir / 'trackers.json'} names is not there ({_said(e, 120)}); "
+                                     f"point MLFLOW_TRACKING_URI at the store this run used, or delete its entry in "
+                                     f"trackers.json to start a new MLflow run") from None
         else:
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "brickyard"))
             self.run = mlflow.start_run(run_name=run_dir.name)
@@ -115,7 +166,7 @@ def _guard(name: str, fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001  the tracker's own reason
-        raise BrickyardError(f"train.loggers: {name} failed: {reason(e, 240)}") from e
+        raise BrickyardError(f"train.loggers: {name} failed: {_said(e)}") from e
 
 
 class Trackers(Callback):
@@ -128,7 +179,7 @@ class Trackers(Callback):
         if run.rank != 0 or not self.names:
             return
         path = Path(run.run_dir) / "trackers.json"
-        saved = json.loads(path.read_text()) if path.is_file() else {}
+        saved = saved_ids(path)
         kinds = {"mlflow": _MLflow, "wandb": _Wandb}
         for name in self.names:
             try:
@@ -136,7 +187,8 @@ class Trackers(Callback):
             except Exception as e:  # noqa: BLE001  the tracker's own reason, in one sentence
                 where = {"mlflow": f" at {os.environ.get('MLFLOW_TRACKING_URI', 'the default tracking URI')}",
                          "wandb": f" (WANDB_MODE={os.environ.get('WANDB_MODE', 'online')})"}[name]
-                raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {reason(e, 240)}") from None
+                why = str(e) if isinstance(e, BrickyardError) else _said(e)
+                raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {why}") from None
         write_json(path, {**saved, **{name: t.id for name, t in self.open}})
         flat = _flat(run.config.to_dict())
         for name, t in self.open:

@@ -39,7 +39,7 @@ from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
 from brickyard.files import write_json
 from brickyard.observe.runlog import MetricsWriter, env_record
-from brickyard.callbacks.trackers import Trackers, check_installed
+from brickyard.callbacks.trackers import Trackers, check_installed, check_reachable
 from brickyard.config.schema import loggers
 from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import activation_checkpointing
@@ -161,6 +161,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
                   loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
     check_installed(loggers(cfg.train))  # likewise
+    if req.info.rank == 0:
+        check_reachable(loggers(cfg.train))  # likewise: a tracking server that takes no connection
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)  # likewise
     if cfg.dist.strategy == "fsdp":
         find_blocks(model, cfg.dist.fsdp.blocks, "dist.fsdp.blocks")  # likewise
