@@ -179,3 +179,23 @@ def test_a_damaged_or_foreign_tracker_record_is_one_sentence_and_the_run_is_left
     assert "point MLFLOW_TRACKING_URI at the store this run used" in r.stderr
     assert {p.name: p.read_bytes() for p in (run / "metrics.jsonl", run / "summary.json")} == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == steps
+
+
+@needs_mlflow
+def test_the_server_check_leaves_a_proxied_uri_to_mlflow(monkeypatch):
+    """Behind HTTP_PROXY the requests go through the proxy, so a direct connection proves nothing; NO_PROXY
+    hosts are checked."""
+    from brickyard.callbacks.trackers import check_reachable
+    from brickyard.errors import ConfigError
+    for k in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+    uri = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(ConfigError, match="no tracking server answers"):
+        check_reachable(["mlflow"], timeout=5)
+    check_reachable(["tensorboard"])  # MLflow not asked for: nothing tried
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    check_reachable(["mlflow"], timeout=5)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    with pytest.raises(ConfigError, match="no tracking server answers"):
+        check_reachable(["mlflow"], timeout=5)

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -47,8 +48,9 @@ def check_installed(names) -> None:
 def check_reachable(names, timeout: float = 10.0) -> None:
     """An MLflow tracking server (an ``http(s)://`` tracking URI) that takes no connection is one sentence
     before the run starts: MLflow's client retries a refused connection for about four minutes (seven
-    retries with a backoff factor of 2) before it says so. Only the connection is tried; MLflow's own
-    retries still cover a server that goes away later."""
+    retries with a backoff factor of 2) before it says so. Only the connection is tried (not where a proxy
+    from ``HTTP_PROXY``/``HTTPS_PROXY`` carries the requests); MLflow's own retries still cover a server that
+    goes away later."""
     if "mlflow" not in names:
         return
     import mlflow  # optional dependency; get_tracking_uri follows MLFLOW_TRACKING_URI and mlflow.set_tracking_uri
@@ -56,6 +58,8 @@ def check_reachable(names, timeout: float = 10.0) -> None:
     parts = urllib.parse.urlsplit(uri)
     if parts.scheme not in ("http", "https"):
         return
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname or ""):
+        return  # requests reaches it through the proxy (HTTP(S)_PROXY), which a direct connection would not try
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         with socket.create_connection((parts.hostname or "", port), timeout=timeout):
