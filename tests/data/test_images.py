@@ -146,6 +146,33 @@ def test_finetune_loads_plain_state_dicts_and_reports_mismatches(tmp_path):
     assert torch.equal(m.fc.weight, tv["fc.weight"])
 
 
+def test_finetune_refuses_weights_of_another_model_or_not_finite_and_reads_a_wrapped_module(tmp_path):
+    """A file none of whose names is the model's used to load nothing and train from scratch behind two warnings."""
+    from brickyard.models import create
+    from brickyard.models.finetune import prepare
+    from brickyard.observe.logs import Logger
+    own = create("mnist_cnn", 10, 1, (28, 28)).state_dict()
+    cfg = lambda path: load_config("mnist", [f"finetune.init_from={path}"]).finetune  # noqa: E731
+    other = tmp_path / "other.pth"
+    torch.save({"encoder.0.weight": torch.ones(4, 4), "encoder.0.bias": torch.ones(4), "head.weight": torch.ones(2, 4)}, other)
+    with pytest.raises(CheckpointError, match=r"none of the 3 tensors in .*other.pth is one of the model's \(the file's "
+                                              r"names look like encoder.0.weight, encoder.0.bias, head.weight; the model's like conv1.weight"):
+        prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(other), 10, Logger(console=False))
+    lightning = tmp_path / "lightning.pt"  # a LightningModule whose network is its attribute `model`
+    torch.save({"state_dict": {f"model.{k}": v for k, v in own.items()}}, lightning)
+    m = prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(lightning), 10, Logger(console=False))
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in own.items())
+    bad = dict(own)
+    bad["conv2.weight"] = bad["conv2.weight"].clone()
+    bad["conv2.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(bad, tmp_path / "nan.pth")
+    with pytest.raises(CheckpointError, match=r"conv2.weight in .*nan.pth holds NaN or infinite values"):
+        prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(tmp_path / "nan.pth"), 10, Logger(console=False))
+    r = run_cli("train", *sets(*SYNTH, "model.name=mnist_cnn", f"finetune.init_from={other}"), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: finetune.init_from: none of the 3 tensors")
+    assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
+
+
 def test_memory_cache_means_no_decoding_after_the_first_epoch(tmp_path):
     root = tmp_path / "pics"
     for c in ("a", "b"):

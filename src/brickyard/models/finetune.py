@@ -54,6 +54,29 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[str, torch.Tensor]:
+    """``state`` as the model names its tensors, or a ``CheckpointError``. Where no key is the model's but every
+    key starts with one same component (a Lightning module's attribute, ``model.conv1.weight``; ``module.`` is
+    already gone), that component is dropped when the keys then match. Weights that are not finite (NaN, inf)
+    are refused: training from them ends at the first step's guard, far from the file that caused it."""
+    if state and not any(k in own for k in state):
+        first = {k.partition(".")[0] for k in state}
+        if len(first) == 1 and all("." in k for k in state):
+            prefix = first.pop() + "."
+            stripped = {k.removeprefix(prefix): v for k, v in state.items()}
+            if any(k in own for k in stripped):
+                log.info(f"the keys in {source} start with {prefix!r} (a wrapping module's attribute); read without it")
+                state = stripped
+    if not any(k in own for k in state):
+        theirs, ours = ", ".join(list(state)[:3]) or "none", ", ".join(list(own)[:3])
+        raise CheckpointError(f"finetune.init_from: none of the {len(state)} tensors in {source} is one of the model's "
+                              f"(the file's names look like {theirs}; the model's like {ours}): it holds another model.")
+    for k, v in state.items():
+        if k in own and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"finetune.init_from: {k} in {source} holds NaN or infinite values.")
+    return state
+
+
 def _keep_eval(module: nn.Module, inputs) -> None:
     """Forward pre-hook: a frozen batch norm keeps its running statistics, whatever mode the model is in."""
     module.training = False
@@ -88,8 +111,8 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
     """Apply ``cfg`` (a ``FinetuneConfig``) to ``model`` in place and return it."""
     head = find_head(model) if (cfg.reset_head or cfg.head_lr_mult != 1.0) else None
     if cfg.init_from:
-        state = load_weights(cfg.init_from)
         own = model.state_dict()
+        state = _matching(load_weights(cfg.init_from), own, cfg.init_from, log)
         if cfg.reset_head:
             state = {k: v for k, v in state.items() if not k.startswith(head + ".")}
         for k, v in state.items():
