@@ -65,6 +65,18 @@ def run() -> None:
     raise SystemExit(code)
 
 
+RANK_ZERO_GRACE_S = 3.0
+
+
+def _after_rank_zero() -> None:
+    """A rank that keeps its error to its workerlog waits a moment before it exits: torchrun's agent ends
+    every worker as soon as one exits, so a rank 1 that left first took rank 0 down before rank 0 had said the
+    error, and the command ended with its exit code and no line (seen once in three full test runs). When rank
+    0 exits first, the agent ends this wait at once."""
+    import time
+    time.sleep(RANK_ZERO_GRACE_S)
+
+
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -76,6 +88,8 @@ def main(argv=None) -> int:
     except BrickyardError as e:
         if dist.prints_errors() or getattr(e, "every_rank", False):  # other ranks hit the same error; theirs is in their workerlog
             print(f"error: {e}", file=sys.stderr)
+        else:
+            _after_rank_zero()
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
