@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 from brickyard.cli import bench, boost, data
 from brickyard.cli import eval as eval_cmd
@@ -73,7 +74,6 @@ def _after_rank_zero() -> None:
     every worker as soon as one exits, so a rank 1 that left first took rank 0 down before rank 0 had said the
     error, and the command ended with its exit code and no line (seen once in three full test runs). When rank
     0 exits first, the agent ends this wait at once."""
-    import time
     time.sleep(RANK_ZERO_GRACE_S)
 
 
