@@ -42,10 +42,14 @@ class UserCodeError(BrickyardError):
     traceback, down to the user's line, is this exception's traceback (what Python prints from ``fit``)."""
 
 
-def reason(err: BaseException, limit: int = 200) -> str:
+def reason(err: BaseException, limit: int = 200, joined: bool = False) -> str:
     """An exception as the short reason inside one of brickyard's sentences: its first line, at most
-    ``limit`` characters, or its type's name when it says nothing."""
+    ``limit`` characters, or its type's name when it says nothing. ``joined``: all its lines joined into one
+    (pydantic and HTTP errors put the reason on the second), cut to ``limit`` with "..." where longer."""
     text = str(err).strip()
+    if joined:
+        text = " ".join(text.split())
+        return (text[:limit - 3] + "...") if len(text) > limit else (text or type(err).__name__)
     return text.splitlines()[0][:limit] if text else type(err).__name__
 
 

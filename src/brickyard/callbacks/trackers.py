@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
-from brickyard.errors import BrickyardError, ConfigError
+from brickyard.errors import BrickyardError, ConfigError, reason
 from brickyard.files import write_json
 
 TRACKERS = ("mlflow", "wandb")
@@ -65,16 +65,9 @@ def check_reachable(names, timeout: float = 10.0) -> None:
         with socket.create_connection((parts.hostname or "", port), timeout=timeout):
             pass
     except (OSError, ValueError) as e:
-        why = getattr(e, "strerror", None) or _said(e)
+        why = getattr(e, "strerror", None) or reason(e, 240, joined=True)
         raise ConfigError(f"train.loggers: mlflow: no tracking server answers at {uri} ({why}); start it, or point "
                           f"MLFLOW_TRACKING_URI at one (a local store: sqlite:///mlflow.db).") from None
-
-
-def _said(e: BaseException, limit: int = 240) -> str:
-    """A tracker's exception in one line: its message's lines joined (pydantic and HTTP errors put the
-    reason on the second), at most ``limit`` characters."""
-    text = " ".join(str(e).split())
-    return (text[:limit - 3] + "...") if len(text) > limit else (text or type(e).__name__)
 
 
 def saved_ids(path: Path) -> dict[str, str]:
@@ -84,8 +77,8 @@ def saved_ids(path: Path) -> dict[str, str]:
         return {}
     try:
         saved = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        saved = e
+    except (OSError, UnicodeDecodeError, ValueError):
+        saved = None
     if not isinstance(saved, dict) or not all(isinstance(v, str) and v for v in saved.values()):
         raise BrickyardError(f"{path} is not a record of tracker run ids ({{\"mlflow\": \"ID\", ...}}); delete it "
                              f"to start new tracker runs, or put back the ids of the runs to continue.")
@@ -117,7 +110,7 @@ class _MLflow:
             try:
                 self.run = mlflow.start_run(run_id=saved)
             except Exception as e:  # noqa: BLE001  most often another store than the run's (MLFLOW_TRACKING_URI changed)
-                raise BrickyardError(f"the run {saved} that {run_dir / 'trackers.json'} names is not there ({_said(e, 120)}); "
+                raise BrickyardError(f"the run {saved} that {run_dir / 'trackers.json'} names is not there ({reason(e, 120, joined=True)}); "
                                      f"point MLFLOW_TRACKING_URI at the store this run used, or delete its entry in "
                                      f"trackers.json to start a new MLflow run") from None
         else:
@@ -170,7 +163,7 @@ def _guard(name: str, fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001  the tracker's own reason
-        raise BrickyardError(f"train.loggers: {name} failed: {_said(e)}") from e
+        raise BrickyardError(f"train.loggers: {name} failed: {reason(e, 240, joined=True)}") from e
 
 
 class Trackers(Callback):
@@ -191,7 +184,7 @@ class Trackers(Callback):
             except Exception as e:  # noqa: BLE001  the tracker's own reason, in one sentence
                 where = {"mlflow": f" at {os.environ.get('MLFLOW_TRACKING_URI', 'the default tracking URI')}",
                          "wandb": f" (WANDB_MODE={os.environ.get('WANDB_MODE', 'online')})"}[name]
-                why = str(e) if isinstance(e, BrickyardError) else _said(e)
+                why = str(e) if isinstance(e, BrickyardError) else reason(e, 240, joined=True)
                 raise BrickyardError(f"train.loggers: {name} could not start a run{where}: {why}") from None
         write_json(path, {**saved, **{name: t.id for name, t in self.open}})
         flat = _flat(run.config.to_dict())

@@ -57,8 +57,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[str, torch.Tensor]:
     """``state`` as the model names its tensors, or a ``CheckpointError``. Where no key is the model's but every
     key starts with one same component (a Lightning module's attribute, ``model.conv1.weight``; ``module.`` is
-    already gone), that component is dropped when the keys then match. Weights that are not finite (NaN, inf)
-    are refused: training from them ends at the first step's guard, far from the file that caused it."""
+    already gone), that component is dropped when the keys then match."""
     if state and not any(k in own for k in state):
         first = {k.partition(".")[0] for k in state}
         if len(first) == 1 and all("." in k for k in state):
@@ -71,9 +70,6 @@ def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[st
         theirs, ours = ", ".join(list(state)[:3]) or "none", ", ".join(list(own)[:3])
         raise CheckpointError(f"finetune.init_from: none of the {len(state)} tensors in {source} is one of the model's "
                               f"(the file's names look like {theirs}; the model's like {ours}): it holds another model.")
-    for k, v in state.items():
-        if k in own and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise CheckpointError(f"finetune.init_from: {k} in {source} holds NaN or infinite values.")
     return state
 
 
@@ -119,6 +115,9 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
             if k in own and tuple(own[k].shape) != tuple(v.shape):
                 hint = " (set finetune.reset_head: true to replace the classifier)" if k.startswith(str(head or find_head(model)) + ".") else ""
                 raise CheckpointError(f"finetune.init_from: {k} has shape {tuple(v.shape)} in {cfg.init_from}, the model expects {tuple(own[k].shape)}{hint}.")
+            # NaN or inf weights would end training at the first step's guard, far from the file that caused it
+            if k in own and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"finetune.init_from: {k} in {cfg.init_from} holds NaN or infinite values.")
         result = model.load_state_dict(state, strict=False)
         missing = [k for k in result.missing_keys if not (cfg.reset_head and k.startswith(head + "."))]
         log.info(f"loaded {len(state) - len(result.unexpected_keys)} tensors from {cfg.init_from}")
