@@ -20,6 +20,13 @@ class JobEnvironmentError(BrickyardError):
     every_rank = True
 
 
+class CollectiveError(BrickyardError):
+    """A collective that failed on this rank (a lost peer, a timeout), most often because another rank failed
+    first: brickyard's launcher says it only when no rank left a cause of its own."""
+
+    follows = True
+
+
 class ConfigError(BrickyardError):
     """A configuration key, type or value that is not allowed."""
 

@@ -216,6 +216,51 @@ def test_sigterm_to_the_launcher_is_one_line_and_a_checkpoint(tmp_path):
     assert checkpoint.load(m.group(2))["step"] == int(m.group(1))
 
 
+def test_a_bad_image_only_rank_1_reads_is_the_one_line_the_launcher_says(tmp_path):
+    """A problem one rank meets alone: that rank's sentence, once, named by its rank; not rank 0's "a collective
+    lost a peer", nor nothing. Seed 1 (pinned) gives the truncated image to rank 1's share of the first step;
+    the workerlogs say which rank read it, so the expected prefix follows them."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(40):
+                pixels = (torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(tmp_path / split / c / f"{i:03d}.jpg")
+    (tmp_path / "train" / "b" / "039.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    run = tmp_path / "run"
+    r = run_cli("train", *sets("data.name=imagefolder", f"data.root={tmp_path}", "model.name=convnet", "train.epochs=1",
+                               "data.batch_size=8", "data.global_batch_size=0", "train.seed=1", "train.precision=fp32",
+                               "train.progress=none", "train.plots=false", "train.tensorboard=false"),
+                "--devices", "cpu:2", "--run-dir", str(run))
+    assert r.returncode == 2, r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    readers = [n for n in (0, 1) if "039.jpg is unreadable" in (run / "logs" / f"workerlog.{n}").read_text()]
+    assert readers == [1], readers  # what seed 1 gives; a change here moves the test, not the behaviour
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: ") and "039.jpg is unreadable or truncated" in errors[0], r.stderr
+    assert "collective" not in r.stderr, r.stderr
+
+
+def test_the_launcher_says_the_cause_before_what_followed_from_it():
+    """``errorfile.cause`` on torchrun's failures as its agent reads them back (``ProcessFailure``)."""
+    from types import SimpleNamespace
+    from brickyard.distributed import errorfile
+
+    def failure(message, rank, follows, when, code=2):
+        return SimpleNamespace(error_file_data={"message": {"message": message, "extraInfo": {"timestamp": 0}},
+                                                "brickyard": {"rank": rank, "follows": follows, "exit": code, "time": when}})
+    lost = failure("rank 0: a collective lost a peer; ...", 0, True, 1.0)
+    assert errorfile.cause({0: lost, 1: failure("x.jpg is unreadable.", 1, False, 2.0)}) == ("rank 1: x.jpg is unreadable.", 2)
+    assert errorfile.cause({0: lost}) == ("rank 0: a collective lost a peer; ...", 2)
+    same = {1: failure("model.name: 'cnn' ...", 1, False, 1.0), 0: failure("model.name: 'cnn' ...", 0, False, 2.0)}
+    assert errorfile.cause(same) == ("model.name: 'cnn' ...", 2)  # rank 0's, though rank 1 left first
+    assert errorfile.cause({2: failure("a.", 2, False, 5.0, 1), 3: failure("b.", 3, False, 4.0, 1)}) == ("rank 3: b.", 1)
+    # torch's own error files (its @record handler), signals without a file: nothing brickyard can say
+    torch_own = SimpleNamespace(error_file_data={"message": {"message": "ValueError: x", "extraInfo": {"timestamp": 1}}})
+    assert errorfile.cause({0: torch_own, 1: SimpleNamespace(error_file_data={"message": ""})}) is None
+
+
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
     import subprocess, sys
     run = tmp_path / "run"

@@ -24,6 +24,7 @@ from brickyard.cli import export, inspect, lrfind, memory, models, plot, predict
 from brickyard.cli import run as run_cmd
 from brickyard.cli import train
 from brickyard.distributed import env as dist
+from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError
 from brickyard.files import printable
 
@@ -67,14 +68,33 @@ def run() -> None:
 
 
 RANK_ZERO_GRACE_S = 3.0
+CAUSE_GRACE_S = 1.0  # under brickyard's launcher, a cause met on a rank other than 0 (rank 0 may meet the same)
 
 
-def _after_rank_zero() -> None:
+def _after_rank_zero(seconds: float = RANK_ZERO_GRACE_S) -> None:
     """A rank that keeps its error to its workerlog waits a moment before it exits: torchrun's agent ends
     every worker as soon as one exits, so a rank 1 that left first took rank 0 down before rank 0 had said the
     error, and the command ended with its exit code and no line (seen once in three full test runs). When rank
-    0 exits first, the agent ends this wait at once."""
-    time.sleep(RANK_ZERO_GRACE_S)
+    0 exits first, the agent ends this wait at once. Under brickyard's launcher, an error that follows another
+    rank's (a lost peer) waits too, so that the rank with the cause leaves first."""
+    time.sleep(seconds)
+
+
+def _say(message: str, code: int, every_rank: bool = False, follows: bool = False) -> None:
+    """A command's one-line error, said once for the job: under brickyard's launcher in this worker's error
+    file (the launcher says the cause, from whichever rank met it; ``follows``: an error another rank's
+    caused, said only when there is no cause); an interruption, and everything outside that launcher, printed by rank 0 (and each node's first worker),
+    or by every rank for ``every_rank`` errors, while the others wait for rank 0 to say it."""
+    rank = dist.rank_from_env()
+    # an interruption (130) is said by rank 0 as before: when the launcher itself was stopped, torchrun
+    # hands it no failures to read
+    if code != 130 and errorfile.launcher_says() and errorfile.record(message, rank, follows, code):
+        if follows or rank != 0:
+            _after_rank_zero(RANK_ZERO_GRACE_S if follows else CAUSE_GRACE_S)
+    elif dist.prints_errors() or every_rank:  # other ranks hit the same error; theirs is in their workerlog
+        print(f"error: {message}", file=sys.stderr)
+    else:
+        _after_rank_zero()
 
 
 def main(argv=None) -> int:
@@ -86,23 +106,17 @@ def main(argv=None) -> int:
     try:
         return importlib.import_module(f"brickyard.cli.{MODULES[args.command]}").run(args)
     except BrickyardError as e:
-        if dist.prints_errors() or getattr(e, "every_rank", False):  # other ranks hit the same error; theirs is in their workerlog
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            _after_rank_zero()
+        _say(str(e), e.exit_code, every_rank=getattr(e, "every_rank", False), follows=getattr(e, "follows", False))
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # a run or output folder that cannot be made or written, a full disk
-        if dist.prints_errors():
-            where = f"{printable(e.filename)}: " if e.filename else ""
-            print(f"error: {where}{e.strerror or e}.", file=sys.stderr)
+        where = f"{printable(e.filename)}: " if e.filename else ""
+        _say(f"{where}{e.strerror or e}.", 1)
         return 1
     except MemoryError as e:  # the host's memory, before a run could explain it (building a model, loading data)
-        if dist.prints_errors():
-            print(f"error: out of host memory ({_first_line(e)}); try a smaller model, data.batch_size or "
-                  f"data.cache: none.", file=sys.stderr)
+        _say(f"out of host memory ({_first_line(e)}); try a smaller model, data.batch_size or data.cache: none.", 1)
         return 1
     except Exception as e:  # noqa: BLE001  a bug of brickyard's (or torch's): one line here, the traceback kept
         if type(e).__name__ == "OutOfMemoryError":  # torch's, outside a run (the run explains its own)
@@ -110,9 +124,8 @@ def main(argv=None) -> int:
             return 1
         asked = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(e))
         if asked:  # torch's host allocator, outside a run: a data set or a model sized past the host's memory
-            if dist.prints_errors():
-                print(f"error: out of host memory: {int(asked.group(1)) / 1e9:,.1f} GB asked for at once; try a "
-                      f"smaller model, data set or data.batch_size.", file=sys.stderr)
+            _say(f"out of host memory: {int(asked.group(1)) / 1e9:,.1f} GB asked for at once; try a smaller model, "
+                 f"data set or data.batch_size.", 1)
             return 1
         where = getattr(e, "logged_in", None) or [_save_traceback(e)]
         print(f"error: brickyard crashed ({type(e).__name__}: {_first_line(e)}); the traceback is in "

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError, DeviceError
 from brickyard.launch import nodes
 
@@ -215,11 +216,22 @@ class WorkerCrashed(BrickyardError):
     exit_code = 1
 
 
+class WorkerSaid(BrickyardError):
+    """A worker's one-sentence error (from its error file), said by the launcher; exits as the worker did."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = "") -> int:
     """``torchrun ... WORKER...`` in this process (``-m brickyard train ...`` or a script); failures
     become one sentence."""
     env_threads = max(1, (os.cpu_count() or 1) // job.nproc) if job.device == "cpu" else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(env_threads))  # silences torchrun's warning; set before it starts
+    # one machine: a worker's error comes back in its error file and is said below; across machines each
+    # node's first worker says it (the agent of a node cut off from the store never hands failures back)
+    os.environ[errorfile.LAUNCHER_SAYS] = "1" if job.nnodes == 1 else "0"
     if job.visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.visible
     from torch.distributed import run as torchrun
@@ -243,8 +255,13 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
-        if code in (2, 130):
-            return code  # a user error or an interruption: rank 0 has already said it in one line
+        if code == 130:
+            return code  # an interruption: rank 0 has said where it saved
+        said = errorfile.cause(e.failures)
+        if said is not None:  # the workers' errors, each in its error file: the cause, from whichever rank
+            raise WorkerSaid(*said) from None
+        if code == 2:
+            return code  # a user error said by the worker itself (one without an error file)
         where = f"{log_dir}/workerlog.{rank}" if log_dir else "its output above and the run directory's logs"
         raise WorkerCrashed(f"worker rank {rank} failed with exit code {code}; see {where} "
                             f"(restarts used: {job.max_restarts}).") from None

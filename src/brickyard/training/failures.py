@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from brickyard.errors import BrickyardError, is_comm_failure
+from brickyard.errors import BrickyardError, CollectiveError, is_comm_failure
 from brickyard.training import memory
 
 
@@ -38,7 +38,7 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
     then = f"; torchrun restarts the group ({restarts} restart(s) left)" if restarts > 0 else ""
     msg = f"rank {info.rank}: a collective {what}; {who} (see the workerlogs in {log_dir}; {reason}){then}."
     log.error(msg)
-    return BrickyardError(msg)
+    return CollectiveError(msg)
 
 
 def oom_error(cfg, model, data, device, info) -> BrickyardError:
