@@ -84,6 +84,27 @@ def test_imagefolder_bad_inputs(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
 
 
+def test_linked_folders_are_read_once_and_hidden_ones_not_at_all(tmp_path):
+    """A class folder that is a link, a folder linked inside one (torchvision's ImageFolder follows them), a link
+    back up the tree (read once, not a loop), a dangling link, and Jupyter's hidden checkpoint copies."""
+    from brickyard.data.imagefolder import scan
+    store, root = tmp_path / "store", tmp_path / "pics" / "train"
+    for i in range(3):
+        _png(store / "cats" / f"{i}.png", np.zeros((4, 4), np.uint8))
+        _png(store / "more_dogs" / f"{i}.png", np.zeros((4, 4), np.uint8))
+        _png(root / "dog" / f"{i}.png", np.zeros((4, 4), np.uint8))
+    (root / "cat").symlink_to(store / "cats")
+    (root / "dog" / "batch2").symlink_to(store / "more_dogs")
+    (root / "dog" / "batch2_again").symlink_to(store / "more_dogs")  # the same real folder: read once
+    (root / "dog" / "up").symlink_to(root / "dog")
+    (root / "dog" / "gone.png").symlink_to(tmp_path / "nothing.png")
+    _png(root / "dog" / ".ipynb_checkpoints" / "0-checkpoint.png", np.zeros((4, 4), np.uint8))
+    (root / "dog" / ".DS_Store").write_bytes(b"\0")
+    files, labels, classes = scan(root)
+    assert classes == ["cat", "dog"] and labels.count(0) == 3 and labels.count(1) == 6, files
+    assert not any("checkpoint" in str(f) or "/up/" in str(f) for f in files), files
+
+
 def test_train_on_all_on_an_image_folder_leaves_val_unread_and_refuses_a_val_fraction(tmp_path):
     root = tmp_path / "pics"
     for split, n in (("train", 4), ("val", 2)):
@@ -162,6 +183,14 @@ def test_finetune_refuses_weights_of_another_model_or_not_finite_and_reads_a_wra
     torch.save({"state_dict": {f"model.{k}": v for k, v in own.items()}}, lightning)
     m = prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(lightning), 10, Logger(console=False))
     assert all(torch.equal(m.state_dict()[k], v) for k, v in own.items())
+    # a Lightning .ckpt whose save_hyperparameters() kept a Path: never unpickled, and the way to its weights said
+    from pathlib import PosixPath
+    objects = tmp_path / "epoch=0-step=9.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in own.items()}, "hyper_parameters": {"root": PosixPath("/data")}},
+               objects)
+    with pytest.raises(CheckpointError, match=r"epoch=0-step=9.ckpt holds Python objects besides tensors \(such as "
+                                              r"pathlib.PosixPath\), and unpickling them can run code.*\['state_dict'\]"):
+        prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(objects), 10, Logger(console=False))
     bad = dict(own)
     bad["conv2.weight"] = bad["conv2.weight"].clone()
     bad["conv2.weight"][0, 0, 0, 0] = float("nan")

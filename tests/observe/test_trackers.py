@@ -155,6 +155,25 @@ def test_a_tracking_server_that_takes_no_connection_is_one_sentence_within_secon
     assert time.monotonic() - start < 60 and not (tmp_path / "r").exists()
 
 
+@needs_wandb
+def test_an_online_wandb_server_that_takes_no_connection_is_one_sentence_and_offline_needs_none(tmp_path):
+    """wandb.init retries a refused connection for about 100 s (an API key set); the run says so at once. The
+    server comes from WANDB_BASE_URL here, as from `wandb login --host`'s settings file."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = {"WANDB_BASE_URL": url, "WANDB_API_KEY": "a" * 40, "WANDB_DIR": str(tmp_path / "wb"), "WANDB_SILENT": "true",
+           "WANDB_MODE": "online"}
+    start = time.monotonic()
+    r = run_cli("train", "mnist", *sets(*RUN, "train.loggers=[wandb]"), "--run-dir", str(tmp_path / "r"), env=env,
+                cwd=tmp_path, timeout=150)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: train.loggers: wandb: no W&B server answers at {url} (Connection refused); set WANDB_MODE=offline to "
+        f"keep the run under RUN_DIR/wandb and `wandb sync` it later, or WANDB_BASE_URL to your server."), r.stderr
+    assert time.monotonic() - start < 60 and not (tmp_path / "r").exists()
+    offline = run_cli("train", "mnist", *sets(*RUN, "train.loggers=[wandb]", "train.max_steps=2"), "--run-dir",
+                      str(tmp_path / "o"), env={**env, "WANDB_MODE": "offline"}, cwd=tmp_path, timeout=150)
+    assert offline.returncode == 0, offline.stderr
+
+
 @needs_mlflow
 def test_a_damaged_or_foreign_tracker_record_is_one_sentence_and_the_run_is_left_as_it_was(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -46,28 +46,46 @@ def check_installed(names) -> None:
 
 
 def check_reachable(names, timeout: float = 10.0) -> None:
-    """An MLflow tracking server (an ``http(s)://`` tracking URI) that takes no connection is one sentence
-    before the run starts: MLflow's client retries a refused connection for about four minutes (seven
-    retries with a backoff factor of 2) before it says so. Only the connection is tried (not where a proxy
-    from ``HTTP_PROXY``/``HTTPS_PROXY`` carries the requests); MLflow's own retries still cover a server that
-    goes away later."""
-    if "mlflow" not in names:
-        return
-    import mlflow  # optional dependency; get_tracking_uri follows MLFLOW_TRACKING_URI and mlflow.set_tracking_uri
-    uri = mlflow.get_tracking_uri()
+    """A tracking server that takes no connection is one sentence before the run starts, not minutes of the
+    client's retries: MLflow's (an ``http(s)://`` tracking URI) retries a refused connection for about four
+    minutes (seven retries with a backoff factor of 2); W&B's ``wandb.init`` in online mode for about 100 s
+    (measured: wandb 0.31, ``WANDB_BASE_URL`` a closed loopback port, an API key set) before its
+    "Timed out while retrying". Only the connection is tried (not where a proxy from
+    ``HTTP_PROXY``/``HTTPS_PROXY`` carries the requests); the clients' own retries still cover a server
+    that goes away later."""
+    if "mlflow" in names:
+        import mlflow  # optional dependency; get_tracking_uri follows MLFLOW_TRACKING_URI and mlflow.set_tracking_uri
+        uri = mlflow.get_tracking_uri()
+        why = _unreachable(uri, timeout)
+        if why:
+            raise ConfigError(f"train.loggers: mlflow: no tracking server answers at {uri} ({why}); start it, or point "
+                              f"MLFLOW_TRACKING_URI at one (a local store: sqlite:///mlflow.db).")
+    if "wandb" in names:
+        import wandb  # optional dependency; setup() reads WANDB_MODE, WANDB_BASE_URL and `wandb login --host`'s settings
+        settings = wandb.setup().settings
+        if settings.mode not in ("online", "run"):
+            return  # offline, disabled, dryrun: nothing to reach
+        why = _unreachable(settings.base_url, timeout)
+        if why:
+            raise ConfigError(f"train.loggers: wandb: no W&B server answers at {settings.base_url} ({why}); set "
+                              f"WANDB_MODE=offline to keep the run under RUN_DIR/wandb and `wandb sync` it later, or "
+                              f"WANDB_BASE_URL to your server.")
+
+
+def _unreachable(uri: str, timeout: float) -> str | None:
+    """Why an ``http(s)://`` ``uri`` takes no TCP connection, or None: it does, it is no URL of that kind,
+    or a proxy would carry the requests (HTTP(S)_PROXY and not NO_PROXY)."""
     parts = urllib.parse.urlsplit(uri)
     if parts.scheme not in ("http", "https"):
-        return
+        return None
     if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname or ""):
-        return  # requests reaches it through the proxy (HTTP(S)_PROXY), which a direct connection would not try
+        return None  # the client reaches it through the proxy, which a direct connection would not try
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         with socket.create_connection((parts.hostname or "", port), timeout=timeout):
-            pass
+            return None
     except (OSError, ValueError) as e:
-        why = getattr(e, "strerror", None) or reason(e, 240, joined=True)
-        raise ConfigError(f"train.loggers: mlflow: no tracking server answers at {uri} ({why}); start it, or point "
-                          f"MLFLOW_TRACKING_URI at one (a local store: sqlite:///mlflow.db).") from None
+        return getattr(e, "strerror", None) or reason(e, 240, joined=True)
 
 
 def saved_ids(path: Path) -> dict[str, str]:

@@ -79,6 +79,28 @@ def decode(path: Path) -> torch.Tensor:
     return t[None] if t.dim() == 2 else t.permute(2, 0, 1).contiguous()
 
 
+def _files(top: Path) -> list[Path]:
+    """The files under class folder ``top``, sorted, hidden files and folders left out (``.DS_Store``,
+    Jupyter's ``.ipynb_checkpoints`` copies). Links to folders are followed, as torchvision's ``ImageFolder``
+    does (``make_dataset`` in ``torchvision/datasets/folder.py`` walks each class with ``os.walk(target_dir,
+    followlinks=True)``), so a class assembled from linked folders is read whole whatever the Python version
+    (``Path.rglob`` left them out), and each real folder is read once: a link back up the tree is not a loop."""
+    seen, out = set(), []
+    for root, dirs, names in os.walk(top, followlinks=True):
+        try:
+            st = os.stat(root)
+        except OSError:  # a link to nothing
+            dirs[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [Path(root) / n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+    return sorted(out)
+
+
 def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:
     if not folder.is_dir():
         raise DataError(f"image folder {folder} does not exist.")
@@ -96,7 +118,7 @@ def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], li
         d = folder / name
         if not d.is_dir():
             continue
-        entries = sorted(p for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+        entries = _files(d)
         for p in entries:
             if p.suffix.lower() not in IMAGE_EXT:
                 raise DataError(f"{p} is not an image file (extension {p.suffix or 'none'}); images must be one of {', '.join(sorted(IMAGE_EXT))}.")

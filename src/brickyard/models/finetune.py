@@ -10,12 +10,13 @@ by DataParallel/DDP is stripped.
 from __future__ import annotations
 
 import fnmatch
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from brickyard.errors import CheckpointError, ConfigError
+from brickyard.errors import CheckpointError, ConfigError, reason
 from brickyard.models import pretrained
 
 
@@ -44,7 +45,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}).") from None
+            raise unreadable(path, e) from None
         if isinstance(state, dict) and isinstance(state.get("model"), dict):
             state = state["model"]  # a brickyard checkpoint
         elif isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
@@ -52,6 +53,22 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a state_dict of tensors.")
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def unreadable(path, e: BaseException) -> CheckpointError:
+    """The sentence for a file ``torch.load(weights_only=True)`` refused: one that pickles Python objects
+    besides tensors (a Lightning ``.ckpt`` whose ``hyper_parameters`` hold a ``Path``, a whole pickled model)
+    gets the way to keep only its weights; anything else, torch's first line without its terminal colours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if found or "Weights only load failed" in text:
+        what = f" (such as {found.group(1)})" if found else ""
+        return CheckpointError(
+            f"{path} holds Python objects besides tensors{what}, and unpickling them can run code, so brickyard reads "
+            f"weights only; if you trust the file, save its tensors alone, for a Lightning checkpoint with "
+            f"`python -c \"import torch; torch.save(torch.load('{path}', weights_only=False)['state_dict'], "
+            f"'weights.pt')\"`, and set finetune.init_from to weights.pt.")
+    return CheckpointError(f"{path} cannot be read as weights ({reason(e, 160) if text.strip() else type(e).__name__}).")
 
 
 def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[str, torch.Tensor]:
