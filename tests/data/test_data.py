@@ -148,8 +148,11 @@ def test_failed_download_says_where_to_put_files(tmp_path, monkeypatch, cache_di
     def offline(url):
         raise OSError("network unreachable")
     monkeypatch.setattr(idx, "_fetch", offline)
-    with pytest.raises(DataError, match="cannot download fashion-mnist.*put the four fashion-mnist files in"):
+    with pytest.raises(DataError, match=r"cannot download fashion-mnist.*put the four fashion-mnist files in .*"
+                                        r"\(on Debian: apt-get install dataset-fashion-mnist\)\.$"):
         idx.load_idx("fashion-mnist", None, allow_download=True)
+    with pytest.raises(DataError, match=r"put the four mnist files in .* or set data.root\.$"):  # no package for MNIST
+        idx.load_idx("mnist", str(tmp_path / "nothing"), allow_download=True)
     assert not list(cache_dir.rglob("*.gz"))  # nothing half-written
 
 

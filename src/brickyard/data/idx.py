@@ -28,6 +28,7 @@ class IdxSpec:
     mirrors: tuple[str, ...]
     md5: dict  # file stem -> md5 of the decompressed content
     classes: tuple[str, ...]
+    package: str = ""  # the Debian package that installs the authors' files under /usr/share/datasets
 
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -44,6 +45,7 @@ SPECS = {
         md5=dict(zip(FILES, ("f4a8712d7a061bf5bd6d2ca38dc4d50a", "9018921c3c673c538a1fc5bad174d6f9",
                              "8181f5470baa50b63fa0f6fddb340f0a", "15d484375f8d13e6eb1aabb0c3f46965"))),
         classes=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"),
+        package="dataset-fashion-mnist",
     ),
 }
 
@@ -55,6 +57,12 @@ def cache_dir(name: str) -> Path:
 def system_data() -> Path:
     """Where Debian's dataset packages put the authors' files (``$BRICKYARD_SYSTEM_DATA`` moves it)."""
     return Path(os.environ.get("BRICKYARD_SYSTEM_DATA", "/usr/share/datasets"))
+
+
+def _package(name: str) -> str:
+    """The end of a "files not found" sentence: the Debian package that installs them, where there is one."""
+    package = SPECS[name].package if name in SPECS else ""
+    return f" (on Debian: apt-get install {package})" if package else ""
 
 
 def candidate_dirs(name: str, root: str | None) -> list[Path]:
@@ -133,7 +141,7 @@ def download(name: str, folder: Path) -> None:
             places = " or ".join(str(d) for d in candidate_dirs(name, None))
             raise DataError(
                 f"cannot download {name} file {stem}.gz ({errors[-1] if errors else 'no mirror'}); "
-                f"put the four {name} files in {places} or set data.root."
+                f"put the four {name} files in {places} or set data.root{_package(name)}."
             )
 
 
@@ -170,7 +178,8 @@ def load_idx(name: str, root: str | None, allow_download: bool) -> dict[str, np.
     if folder is None:
         if not allow_download:
             places = " or ".join(str(d) for d in candidate_dirs(name, root))
-            raise DataError(f"{name} files not found; put the four files in {places} (data.download is off).")
+            raise DataError(f"{name} files not found; put the four files in {places} (data.download is off)"
+                            f"{_package(name)}.")
         folder = Path(root).expanduser() if root else cache_dir(name)
         download(name, folder)
     return {stem: _load_one(name, folder, stem) for stem in FILES}
