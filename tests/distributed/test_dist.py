@@ -259,6 +259,13 @@ def test_the_launcher_says_the_cause_before_what_followed_from_it():
     # torch's own error files (its @record handler), signals without a file: nothing brickyard can say
     torch_own = SimpleNamespace(error_file_data={"message": {"message": "ValueError: x", "extraInfo": {"timestamp": 1}}})
     assert errorfile.cause({0: torch_own, 1: SimpleNamespace(error_file_data={"message": ""})}) is None
+    # who says it: the launcher on one machine with no restart to come; else the worker (rank 0) itself
+    ours = {errorfile.LAUNCHER_SAYS: "1", errorfile.ERROR_FILE: "/tmp/e.json"}
+    assert errorfile.launcher_says(ours)
+    assert errorfile.launcher_says({**ours, "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert not errorfile.launcher_says({**ours, "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert not errorfile.launcher_says({**ours, errorfile.LAUNCHER_SAYS: "0"})  # several machines
+    assert not errorfile.launcher_says({errorfile.ERROR_FILE: "/tmp/e.json"})  # a torchrun the user started
 
 
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):

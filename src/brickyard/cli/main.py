@@ -81,10 +81,11 @@ def _after_rank_zero(seconds: float = RANK_ZERO_GRACE_S) -> None:
 
 
 def _say(message: str, code: int, every_rank: bool = False, follows: bool = False) -> None:
-    """A command's one-line error, said once for the job: under brickyard's launcher in this worker's error
-    file (the launcher says the cause, from whichever rank met it; ``follows``: an error another rank's
-    caused, said only when there is no cause); an interruption, and everything outside that launcher, printed by rank 0 (and each node's first worker),
-    or by every rank for ``every_rank`` errors, while the others wait for rank 0 to say it."""
+    """A command's one-line error, said once for the job. Under brickyard's launcher on one machine it goes
+    to this worker's error file, and the launcher says the cause, from whichever rank met it (``follows``:
+    an error another rank's caused, said only when no rank left a cause). An interruption, and everything
+    outside that launcher, is printed by rank 0 (and each node's first worker), or by every rank for
+    ``every_rank`` errors, while the others wait for rank 0 to say it."""
     rank = dist.rank_from_env()
     # an interruption (130) is said by rank 0 as before: when the launcher itself was stopped, torchrun
     # hands it no failures to read

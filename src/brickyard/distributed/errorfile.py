@@ -7,9 +7,8 @@ reads it back into the ``ProcessFailure`` of ``ChildFailedError.failures`` (torc
 ``ErrorHandler.record_exception`` in ``error_handler.py`` writes). Under brickyard's own launcher on one
 machine, every worker that ends with a ``BrickyardError`` (or a full disk, or host memory) writes its
 sentence there instead of printing it, and the launcher says one line: the cause, from whichever rank met
-it. Without that, only rank 0 spoke, so a
-problem only another rank met (a corrupt image in its share of the data) showed as rank 0's "a collective
-lost a peer", or as nothing.
+it. Without that, only rank 0 spoke, so a problem only another rank met (a corrupt image in its share of
+the data) showed as rank 0's "a collective lost a peer", or as nothing.
 
 The extra ``"brickyard"`` entry says whether the error follows another rank's (a collective that lost
 its peer): the launcher says such an error only when no rank left a cause of its own.
