@@ -259,6 +259,11 @@ def test_predict_from_python(trained):
     with pytest.raises(BrickyardError, match=r"inputs: expected a tensor or array .* got NoneType"):
         brickyard.predict(model, None)
     assert brickyard.predict(model, [[[[0.1, 0.2], [0.3, 0.4]]]])["predicted"].shape == (1,)  # nested lists, as before
+    nhwc = x.permute(0, 2, 3, 1)  # Keras's layout: the same predictions as the N x C x H x W batch
+    assert torch.equal(brickyard.predict(ck, nhwc)["logits"], brickyard.predict(ck, x)["logits"])
+    np.save(trained / "nhwc.npy", nhwc.numpy())
+    assert torch.allclose(brickyard.predict(ck, str(trained / "nhwc.npy"))["logits"], brickyard.predict(ck, x)["logits"],
+                          atol=1e-5)  # read as files are (their own dtype path), not bit for bit
 
 
 def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):

@@ -198,6 +198,44 @@ def test_fit_with_user_model_and_tensors(tmp_path):
     assert summary["test_accuracy"] > 0.8 and (tmp_path / "fit" / "summary.json").is_file()
 
 
+def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
+    """keras.datasets.cifar10 gives 50000 x 32 x 32 x 3 uint8 and 50000 x 1 labels; fit reads them as
+    N x C x H x W (a view), so a conv net, the crop-flip augmentation and predict see channels where torch
+    puts them. The class is the bright channel: learnable only if the channels are read as channels.
+    fp32, one process, seed 0."""
+    import numpy as np
+    import brickyard
+    g = np.random.default_rng(0)
+    y = g.integers(0, 3, (900, 1))
+    x = (g.random((900, 16, 16, 3)) * 100).astype(np.uint8)
+    x[np.arange(900), :, :, y[:, 0]] += 120
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(8, 3))
+    summary = api.fit(model, (x[:700], y[:700]), test_data=(x[700:], y[700:]),
+                      config={"train": {"epochs": 3, "device": "cpu", "progress": "none", "precision": "fp32", "threads": 1},
+                              "optim": {"lr": 0.05}, "data": {"augment": "crop-flip"}}, run_dir=tmp_path / "fit")
+    assert summary["test_accuracy"] > 0.95, summary["test_accuracy"]
+    assert "(channels last, as Keras keeps images) and the model takes channels first: read as 3x16x16" in \
+        (tmp_path / "fit" / "train.log").read_text()
+    out = brickyard.predict(model, torch.as_tensor(x[700:760]).float() / 255)
+    assert (out["predicted"].numpy() == y[700:760, 0]).mean() > 0.95
+    # a model that takes channels-last images itself keeps them as they are; an MLP reads any layout as given
+    class Permutes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(*list(model))
+        def forward(self, x):
+            return self.net(x.permute(0, 3, 1, 2))
+    summary = api.fit(Permutes(), (x[:700], y[:700]), test_data=(x[700:], y[700:]),
+                      config={"train": {"epochs": 1, "device": "cpu", "progress": "none", "precision": "fp32", "threads": 1},
+                              "optim": {"lr": 0.05}}, run_dir=tmp_path / "permutes")
+    assert summary["test_accuracy"] > 0.95 and "channels last" not in (tmp_path / "permutes" / "train.log").read_text()
+    from brickyard.data.layout import model_reads_channels_last
+    mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 3, 3))
+    assert not model_reads_channels_last(mlp, torch.zeros(2, 16, 16, 3)) and mlp.training
+
+
 def test_fit_with_a_dataset(tmp_path):
     x = torch.randn(128, 1, 4, 4)
     y = (x.sum((1, 2, 3)) > 0).long()

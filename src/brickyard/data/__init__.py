@@ -12,6 +12,7 @@ import torch
 
 from brickyard.data import cifar, idx
 from brickyard.data.bundle import DataBundle, Split
+from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import imagefolder_bundle
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError, reason
@@ -99,7 +100,8 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     ``fit(x, y)``), or a Dataset of pairs.
 
     Inputs may be N x anything: images (N x C x H x W; N x H x W tensors are taken as one-channel
-    images), points, signals (as a Dataset when they are 3-D).
+    images, and N x H x W x C arrays, Keras's layout, as N x C x H x W where ``model`` takes only that:
+    ``brickyard.data.layout``), points, signals (as a Dataset when they are 3-D).
     Integer labels are classes: ``num_classes`` is the largest label + 1 for tensors and, for a Dataset
     (whose labels are not all read up front), the width of ``model``'s output on the first sample, as
     Keras and Lightning need nothing either; float labels are regression targets, for a loss of the
@@ -113,6 +115,14 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
         raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
                         f"give class indices (labels.long()) or pass loss_fn for a regression.")
+    notes = []
+    if first.images is not None and model is not None and model_reads_channels_last(model, first.images):
+        shape = "x".join(map(str, first.images.shape[1:]))
+        for split in splits:
+            if split is not None and split.images is not None and split.images.dim() == 4:
+                split.images = channels_first(split.images)
+        notes.append(f"the inputs are {shape} (channels last, as Keras keeps images) and the model takes channels "
+                     f"first: read as {'x'.join(map(str, first.images.shape[1:]))}")
     if first.images is not None:
         sample, label = first.images[0], first.labels[0]
     else:
@@ -142,7 +152,8 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         for split, name in zip(splits, ("train_data", "val_data", "test_data")):
             _check_labels(split, name, num_classes)
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
-    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape)
+    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape,
+                      notes=notes)
 
 
 def _check_labels(split, name: str, num_classes: int) -> None:

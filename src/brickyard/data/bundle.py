@@ -36,6 +36,7 @@ class DataBundle:
 
     sample_shape: tuple = ()  # one input's shape; C x H x W for images
     train_size: tuple | None = None  # training images' H x W where it differs from image_size (an image folder's transforms)
+    notes: list[str] = field(default_factory=list)  # what was made of the data, for the run's log
 
     @property
     def in_memory(self) -> bool:
@@ -45,3 +46,4 @@ class DataBundle:
     def is_images(self) -> bool:
         """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
         return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2
+

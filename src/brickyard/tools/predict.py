@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from brickyard.errors import BrickyardError, DataError, reason
+from brickyard.data import layout
 from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
@@ -35,8 +36,12 @@ def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list
             t = torch.from_numpy(np.ascontiguousarray(arr))
             if t.dim() == 2:
                 t = t[None, None]
+            elif t.dim() == 3 and in_channels > 1 and t.shape[2] == in_channels and t.shape[0] != in_channels:
+                t = t.permute(2, 0, 1)[None]  # one H x W x C image
             elif t.dim() == 3:
                 t = t.unsqueeze(1) if in_channels == 1 or t.shape[0] != in_channels else t[None]
+            if t.dim() == 4 and t.shape[1] != in_channels and t.shape[3] == in_channels:
+                t = layout.channels_first(t)  # N x H x W x C, as NumPy keeps images (refused below otherwise)
             if t.dim() != 4 or t.shape[1] != in_channels:
                 raise DataError(f"{p}: array of shape {tuple(arr.shape)} does not give N x {in_channels} x H x W images.")
             t = _resize(t, image_size)
@@ -88,9 +93,10 @@ def _as_batch(inputs, meta: dict) -> torch.Tensor:
         raise BrickyardError(f"inputs: expected a tensor or array N x C x H x W, a list of tensors, or image paths; "
                              f"got {type(inputs).__name__}.")
     try:
-        return torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
+        x = torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
     except (TypeError, ValueError, RuntimeError) as e:
         raise BrickyardError(f"inputs: cannot be read as a tensor ({reason(e)}).") from None
+    return x
 
 
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
@@ -98,7 +104,8 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
     ``nn.Module`` (then inputs are used as given).
-    ``inputs``: a tensor / array N x C x H x W, a list of tensors, or image / ``.npy`` paths (one or a list).
+    ``inputs``: a tensor / array N x C x H x W (or N x H x W x C, Keras's layout, where the model takes
+    only N x C x H x W, as ``fit`` reads it: ``brickyard.data.layout``), a list of tensors, or image / ``.npy`` paths.
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
     ``device``: where to run (default: an ``nn.Module``'s own device, else the CPU). A module given is
     left as it was found: on its device, in its train or eval mode (a callback may call this on
@@ -118,6 +125,10 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     if isinstance(outputs, str):
         outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
     x = _as_batch(inputs, meta)
+    if meta:  # N x H x W x C, as Keras and NumPy keep images: the checkpoint's C x H x W says it
+        x = layout.as_checkpoint_reads(x, meta.get("in_channels"), meta.get("image_size"))
+    elif layout.model_reads_channels_last(model, x):  # a module: the layout it takes, as fit reads it
+        x = layout.channels_first(x)
     if meta and x.dim() == 4 and meta.get("in_channels") and meta.get("image_size") \
             and tuple(x.shape[1:]) != (meta["in_channels"], *meta["image_size"]):
         c, (h, w) = meta["in_channels"], meta["image_size"]

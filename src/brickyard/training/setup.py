@@ -303,6 +303,8 @@ def announce(run: Run, host: dev.Host, info, measured: dict | None = None) -> No
     log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
+    for note in data.notes:
+        log.info(note)
     if cfg.model.whiten:
         log.info(whitening.describe(run.model, whitening.images_used(data)))
     accum, peak = cfg.train.grad_accum, run._engine.peak_lr
