@@ -141,7 +141,8 @@ CASES = [
     ("num_workers=100000", ["train", "--set", "data.num_workers=100000"], 2, "data.num_workers: 100000 is above the maximum 256"),
     ("batch_size=-3", ["train", "--set", "data.batch_size=-3"], 2, "data.batch_size: -3 is below the minimum 1"),
     # model files and checkpoints
-    ("a pickle that runs code", ["predict", "W/evil.pt", "W/digit.png"], 2, "cannot be read"),
+    ("a pickle that runs code", ["predict", "W/evil.pt", "W/digit.png"], 2,
+     "holds Python objects besides tensors (such as posix.system), which brickyard does not unpickle"),
     ("a .pt2 program", ["predict", "W/m.pt2", "W/digit.png"], 2, "can run code it brings with it"),
     ("a TorchScript program", ["predict", "W/m.torchscript.pt", "W/digit.png"], 2, "--trust-code"),
     ("junk named .safetensors", ["predict", "W/junk.safetensors", "W/digit.png"], 2, "cannot be read as an exported"),

@@ -218,7 +218,21 @@ def read_torch(path: str | Path, what: str = "checkpoint"):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  any unpickling failure means a bad file
-        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
-        # torch's weights-only refusal says what it met on a line of its own
-        reason = next((x for x in lines if "unsupported" in x.lower()), lines[0])
-        raise CheckpointError(f"{what} {path} cannot be read ({reason[:160]}).") from None
+        found = pickled_object(e)
+        if found is not None:
+            raise CheckpointError(f"{what} {path} holds Python objects besides tensors{found}, which brickyard does not "
+                                  f"unpickle (that can run code): it is not a file brickyard wrote.") from None
+        lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines() if x.strip()] \
+            or [type(e).__name__]
+        raise CheckpointError(f"{what} {path} cannot be read ({lines[0][:160]}).") from None
+
+
+def pickled_object(e: BaseException) -> str | None:
+    """Where ``torch.load(weights_only=True)`` refused a file for pickling a Python object (a ``Path`` in a
+    Lightning checkpoint's hyper-parameters, a whole pickled model): `` (such as pathlib.PosixPath)``, or ""
+    when torch did not name it; None for any other failure."""
+    text = str(e)
+    found = re.search(r"unsupported(?: global:)? GLOBAL (\S+)", text, re.IGNORECASE)  # both of torch 2.6+'s wordings
+    if found:
+        return f" (such as {found.group(1)})"
+    return "" if "Weights only load failed" in text else None

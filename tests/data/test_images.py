@@ -183,6 +183,9 @@ def test_finetune_refuses_weights_of_another_model_or_not_finite_and_reads_a_wra
     torch.save({"state_dict": {f"model.{k}": v for k, v in own.items()}}, lightning)
     m = prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(lightning), 10, Logger(console=False))
     assert all(torch.equal(m.state_dict()[k], v) for k, v in own.items())
+    with pytest.raises(CheckpointError, match=r"holds a 'state_dict' \(as Lightning's do\), not a brickyard run's; to "
+                                              r"train from its weights, set finetune.init_from=.*lightning.pt\.$"):
+        checkpoint.load(lightning)  # what eval and predict read
     # a Lightning .ckpt whose save_hyperparameters() kept a Path: never unpickled, and the way to its weights said
     from pathlib import PosixPath
     objects = tmp_path / "epoch=0-step=9.ckpt"
@@ -191,6 +194,9 @@ def test_finetune_refuses_weights_of_another_model_or_not_finite_and_reads_a_wra
     with pytest.raises(CheckpointError, match=r"epoch=0-step=9.ckpt holds Python objects besides tensors \(such as "
                                               r"pathlib.PosixPath\), and unpickling them can run code.*\['state_dict'\]"):
         prepare(create("mnist_cnn", 10, 1, (28, 28)), cfg(objects), 10, Logger(console=False))
+    with pytest.raises(CheckpointError, match=r"holds Python objects besides tensors \(such as pathlib.PosixPath\), "
+                                              r"which brickyard does not unpickle"):
+        checkpoint.load(objects)
     bad = dict(own)
     bad["conv2.weight"] = bad["conv2.weight"].clone()
     bad["conv2.weight"][0, 0, 0, 0] = float("nan")

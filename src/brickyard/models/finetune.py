@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from brickyard.errors import CheckpointError, ConfigError, reason
+from brickyard.files import pickled_object
 from brickyard.models import pretrained
 
 
@@ -59,16 +60,15 @@ def unreadable(path, e: BaseException) -> CheckpointError:
     """The sentence for a file ``torch.load(weights_only=True)`` refused: one that pickles Python objects
     besides tensors (a Lightning ``.ckpt`` whose ``hyper_parameters`` hold a ``Path``, a whole pickled model)
     gets the way to keep only its weights; anything else, torch's first line without its terminal colours."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-    if found or "Weights only load failed" in text:
-        what = f" (such as {found.group(1)})" if found else ""
+    found = pickled_object(e)
+    if found is not None:
         return CheckpointError(
-            f"{path} holds Python objects besides tensors{what}, and unpickling them can run code, so brickyard reads "
+            f"{path} holds Python objects besides tensors{found}, and unpickling them can run code, so brickyard reads "
             f"weights only; if you trust the file, save its tensors alone, for a Lightning checkpoint with "
             f"`python -c \"import torch; torch.save(torch.load('{path}', weights_only=False)['state_dict'], "
             f"'weights.pt')\"`, and set finetune.init_from to weights.pt.")
-    return CheckpointError(f"{path} cannot be read as weights ({reason(e, 160) if text.strip() else type(e).__name__}).")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    return CheckpointError(f"{path} cannot be read as weights ({reason(text, 160) if text.strip() else type(e).__name__}).")
 
 
 def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[str, torch.Tensor]:

@@ -35,6 +35,9 @@ def load(path: str | Path, resume: bool = False) -> dict:
     """A brickyard checkpoint, its shape checked (a file from elsewhere is one sentence, never a KeyError
     later); ``resume``: also what continuing a run needs (step, optimiser, RNG state)."""
     state = read_torch(path)
+    if isinstance(state, dict) and "model" not in state and isinstance(state.get("state_dict"), dict):
+        raise CheckpointError(f"checkpoint {path} holds a 'state_dict' (as Lightning's do), not a brickyard run's; "
+                              f"to train from its weights, set finetune.init_from={path}.")
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a brickyard checkpoint (no 'model' entry).")
     if not isinstance(state["model"], dict) or not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
