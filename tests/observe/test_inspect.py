@@ -239,7 +239,7 @@ def test_predict_png_with_two_layer_outputs(trained, tmp_path):
     assert bad.returncode == 2 and "is not a readable image" in bad.stderr
 
 
-def test_predict_from_python(trained):
+def test_predict_from_python(trained, monkeypatch):
     import brickyard
     x = torch.randint(0, 255, (5, 1, 28, 28), dtype=torch.uint8)
     out = brickyard.predict(str(trained / "checkpoints" / "best.pt"), x, outputs=["conv1", "fc"])
@@ -259,6 +259,20 @@ def test_predict_from_python(trained):
     with pytest.raises(BrickyardError, match=r"inputs: expected a tensor or array .* got NoneType"):
         brickyard.predict(model, None)
     assert brickyard.predict(model, [[[[0.1, 0.2], [0.3, 0.4]]]])["predicted"].shape == (1,)  # nested lists, as before
+    # a folder is its image files (hidden ones left out), named by their path inside it; inputs go through in chunks
+    from brickyard.tools import predict as pr
+    folder = trained / "to_predict"
+    for name in ("a/one.png", "b/two.png", "b/.hidden.png"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((np.random.rand(28, 28) * 255).astype(np.uint8)).save(folder / name)
+    assert pr.load_inputs([folder], 1, (28, 28))[1] == ["a/one.png", "b/two.png"]
+    with pytest.raises(BrickyardError, match=r"input folder .*a holds no image files \(.bmp"):
+        (folder / "a" / "one.png").rename(folder / "one.png")
+        pr.load_inputs([folder / "a"], 1, (28, 28))
+    whole = brickyard.predict(ck, x, outputs="conv1")
+    monkeypatch.setattr(pr, "CHUNK", 2)  # 5 inputs: 2 + 2 + 1
+    chunked = brickyard.predict(ck, x, outputs="conv1")
+    assert all(torch.allclose(chunked[k], whole[k], atol=1e-6) for k in ("logits", "conv1"))
     nhwc = x.permute(0, 2, 3, 1)  # Keras's layout: the same predictions as the N x C x H x W batch
     assert torch.equal(brickyard.predict(ck, nhwc)["logits"], brickyard.predict(ck, x)["logits"])
     np.save(trained / "nhwc.npy", nhwc.numpy())

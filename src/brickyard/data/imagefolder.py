@@ -79,7 +79,7 @@ def decode(path: Path) -> torch.Tensor:
     return t[None] if t.dim() == 2 else t.permute(2, 0, 1).contiguous()
 
 
-def _files(top: Path) -> list[Path]:
+def files_under(top: Path) -> list[Path]:
     """The files under class folder ``top``, sorted, hidden files and folders left out (``.DS_Store``,
     Jupyter's ``.ipynb_checkpoints`` copies). Links to folders are followed, as torchvision's ``ImageFolder``
     does (``make_dataset`` in ``torchvision/datasets/folder.py`` walks each class with ``os.walk(target_dir,
@@ -118,7 +118,7 @@ def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], li
         d = folder / name
         if not d.is_dir():
             continue
-        entries = _files(d)
+        entries = files_under(d)
         for p in entries:
             if p.suffix.lower() not in IMAGE_EXT:
                 raise DataError(f"{p} is not an image file (extension {p.suffix or 'none'}); images must be one of {', '.join(sorted(IMAGE_EXT))}.")

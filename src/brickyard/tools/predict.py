@@ -7,6 +7,7 @@ intensities; both are then normalised with the training mean/std saved in the ch
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from PIL import Image
 
 from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.data import layout
-from brickyard.data.imagefolder import BAD_IMAGE, GREY, as_uint8, why_bad
+from brickyard.data.imagefolder import BAD_IMAGE, GREY, IMAGE_EXT, as_uint8, files_under, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
@@ -23,9 +24,28 @@ from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 
 
+CHUNK = 256  # inputs through the model at once: a folder of thousands of photos is not one batch
+
+
+def _expanded(paths) -> list[tuple[Path, str]]:
+    """``paths`` with their names, each folder replaced by the image files under it (sorted, hidden ones left
+    out, links followed as an image folder's are; named by their path inside it), so a test folder is one
+    argument."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = [f for f in files_under(p) if f.suffix.lower() in IMAGE_EXT]
+            if not found:
+                raise DataError(f"input folder {printable(p)} holds no image files ({', '.join(sorted(IMAGE_EXT))}).")
+            out += [(f, os.path.relpath(f, p)) for f in found]
+        else:
+            out.append((p, p.name))
+    return out
+
+
 def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list[str]]:
     tensors, names = [], []
-    for p in map(Path, paths):
+    for p, name in _expanded(paths):
         if not p.is_file():
             raise DataError(f"input {p} does not exist.")
         if p.suffix.lower() == ".npy":
@@ -46,10 +66,10 @@ def load_inputs(paths, in_channels: int, image_size) -> tuple[torch.Tensor, list
                 raise DataError(f"{p}: array of shape {tuple(arr.shape)} does not give N x {in_channels} x H x W images.")
             t = _resize(t, image_size)
             tensors.append(t)
-            names += [f"{p.name}[{i}]" for i in range(len(t))]
+            names += [f"{name}[{i}]" for i in range(len(t))]
         else:
             tensors.append(_read_image(p, in_channels, image_size)[None])
-            names.append(p.name)
+            names.append(name)
     if not tensors:
         raise DataError("no inputs given.")
     dtypes = {t.dtype for t in tensors}
@@ -150,7 +170,8 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
         model.eval()
     try:
-        result = forward_with_outputs(model, x.float().to(d), list(outputs))
+        parts = [forward_with_outputs(model, chunk.float().to(d), list(outputs)) for chunk in x.split(CHUNK)]
+        result = {k: torch.cat([part[k].cpu() for part in parts]) for k in parts[0]}
     finally:
         if was_training and not meta.get("normalises"):
             model.train()
