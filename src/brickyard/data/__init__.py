@@ -117,11 +117,11 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
                         f"give class indices (labels.long()) or pass loss_fn for a regression.")
     notes = []
     if first.images is not None and model is not None and model_reads_channels_last(model, first.images):
-        shape = "x".join(map(str, first.images.shape[1:]))
+        given = "x".join(map(str, first.images.shape[1:]))
         for split in splits:
             if split is not None and split.images is not None and split.images.dim() == 4:
                 split.images = channels_first(split.images)
-        notes.append(f"the inputs are {shape} (channels last, as Keras keeps images) and the model takes channels "
+        notes.append(f"the inputs are {given} (channels last, as Keras keeps images) and the model takes channels "
                      f"first: read as {'x'.join(map(str, first.images.shape[1:]))}")
     if first.images is not None:
         sample, label = first.images[0], first.labels[0]

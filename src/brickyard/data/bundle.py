@@ -46,4 +46,3 @@ class DataBundle:
     def is_images(self) -> bool:
         """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
         return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2
-

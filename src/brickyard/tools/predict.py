@@ -113,17 +113,17 @@ def _as_batch(inputs, meta: dict) -> torch.Tensor:
         raise BrickyardError(f"inputs: expected a tensor or array N x C x H x W, a list of tensors, or image paths; "
                              f"got {type(inputs).__name__}.")
     try:
-        x = torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
+        return torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
     except (TypeError, ValueError, RuntimeError) as e:
         raise BrickyardError(f"inputs: cannot be read as a tensor ({reason(e)}).") from None
-    return x
 
 
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
-    ``nn.Module`` (then inputs are used as given).
+    ``nn.Module`` (then inputs are used as given, unnormalised; only a channels-last batch the module cannot
+    take as it is, and can channels-first, is read that way, as ``fit`` reads it).
     ``inputs``: a tensor / array N x C x H x W (or N x H x W x C, Keras's layout, where the model takes
     only N x C x H x W, as ``fit`` reads it: ``brickyard.data.layout``), a list of tensors, or image / ``.npy`` paths.
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
