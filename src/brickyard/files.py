@@ -222,9 +222,14 @@ def read_torch(path: str | Path, what: str = "checkpoint"):
         if found is not None:
             raise CheckpointError(f"{what} {path} holds Python objects besides tensors{found}, which brickyard does not "
                                   f"unpickle (that can run code): it is not a file brickyard wrote.") from None
-        lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines() if x.strip()] \
-            or [type(e).__name__]
-        raise CheckpointError(f"{what} {path} cannot be read ({lines[0][:160]}).") from None
+        raise CheckpointError(f"{what} {path} cannot be read ({load_failure(e)}).") from None
+
+
+def load_failure(e: BaseException) -> str:
+    """A ``torch.load`` failure as the reason inside a sentence: its first line without terminal colours
+    (torch's weights-only refusal bolds a phrase), at most 160 characters, or its type's name."""
+    lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if x.strip()]
+    return lines[0][:160] if lines else type(e).__name__
 
 
 def pickled_object(e: BaseException) -> str | None:

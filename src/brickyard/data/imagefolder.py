@@ -89,7 +89,7 @@ def files_under(top: Path) -> list[Path]:
     for root, dirs, names in os.walk(top, followlinks=True):
         try:
             st = os.stat(root)
-        except OSError:  # a link to nothing
+        except OSError:  # gone while the tree was walked (a dangling link is a name, not a folder, to os.walk)
             dirs[:] = []
             continue
         if (st.st_dev, st.st_ino) in seen:

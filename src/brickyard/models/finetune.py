@@ -10,14 +10,13 @@ by DataParallel/DDP is stripped.
 from __future__ import annotations
 
 import fnmatch
-import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from brickyard.errors import CheckpointError, ConfigError, reason
-from brickyard.files import pickled_object
+from brickyard.errors import CheckpointError, ConfigError
+from brickyard.files import load_failure, pickled_object
 from brickyard.models import pretrained
 
 
@@ -67,8 +66,7 @@ def unreadable(path, e: BaseException) -> CheckpointError:
             f"weights only; if you trust the file, save its tensors alone, for a Lightning checkpoint with "
             f"`python -c \"import torch; torch.save(torch.load('{path}', weights_only=False)['state_dict'], "
             f"'weights.pt')\"`, and set finetune.init_from to weights.pt.")
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    return CheckpointError(f"{path} cannot be read as weights ({reason(text, 160) if text.strip() else type(e).__name__}).")
+    return CheckpointError(f"{path} cannot be read as weights ({load_failure(e)}).")
 
 
 def _matching(state: dict[str, torch.Tensor], own: dict, source, log) -> dict[str, torch.Tensor]:
