@@ -56,6 +56,35 @@ def sets(*items):
     return out
 
 
+# One image in the training set is truncated; with train.seed=1 (pinned in ONE_BAD_IMAGE) it falls in rank 1's
+# share of the first step on 2 processes. The tests read the workerlogs to confirm which rank met it.
+ONE_BAD_IMAGE = ["data.name=imagefolder", "model.name=convnet", "train.epochs=1", "data.batch_size=8",
+                 "data.global_batch_size=0", "train.seed=1", "train.precision=fp32", "train.threads=1",
+                 "train.progress=none", "train.plots=false", "train.tensorboard=false"]
+
+
+def one_bad_image(root: Path) -> Path:
+    """An image folder of 2 classes x 40 JPEGs in train/ and val/, whose train/b/039.jpg is cut off."""
+    import torch
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(40):
+                pixels = (torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(root / split / c / f"{i:03d}.jpg")
+    (root / "train" / "b" / "039.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    return root
+
+
+def readers_of_the_bad_image(logs: Path) -> list[int]:
+    """The ranks whose workerlog in ``logs`` says they read the cut image (not that another rank left word of it)."""
+    ranks = sorted(int(p.suffix[1:]) for p in logs.glob("workerlog.*"))
+    return [n for n in ranks if any("039.jpg is unreadable" in line and "the cause, left by" not in line
+                                    for line in (logs / f"workerlog.{n}").read_text().splitlines())]
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """An empty, private download cache, so tests never touch ~/.cache, and no system data folder (Debian's

@@ -37,6 +37,11 @@ Writer = Callable[[BinaryIO], object]
 _TEMP = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")
 
 
+def os_error(e: OSError) -> str:
+    """The sentence for a file the system refused (a full disk, a size limit, permissions): its name and the reason."""
+    return f"{printable(e.filename) + ': ' if e.filename else ''}{e.strerror or e}."
+
+
 def printable(path) -> str:
     """A file name as a message can show it: a name that is not valid UTF-8 (bytes Python keeps as
     surrogates) gets backslash escapes instead of breaking the log or the console."""

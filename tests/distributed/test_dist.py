@@ -14,7 +14,7 @@ from brickyard import api
 from brickyard.training import checkpoint
 from brickyard.distributed import process as dist
 from brickyard.config import load_config
-from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
 
 PARITY = SYNTH + ["train.deterministic=true", "train.max_steps=20", "train.epochs=10", "optim.name=momentum",
                   "schedule.name=cosine", "data.augment=shift", "train.log_every=5"]
@@ -220,26 +220,28 @@ def test_a_bad_image_only_rank_1_reads_is_the_one_line_the_launcher_says(tmp_pat
     """A problem one rank meets alone: that rank's sentence, once, named by its rank; not rank 0's "a collective
     lost a peer", nor nothing. Seed 1 (pinned) gives the truncated image to rank 1's share of the first step;
     the workerlogs say which rank read it, so the expected prefix follows them."""
-    from PIL import Image
-    g = torch.Generator().manual_seed(0)
-    for split in ("train", "val"):
-        for c in ("a", "b"):
-            (tmp_path / split / c).mkdir(parents=True)
-            for i in range(40):
-                pixels = (torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()
-                Image.fromarray(pixels).save(tmp_path / split / c / f"{i:03d}.jpg")
-    (tmp_path / "train" / "b" / "039.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
-    run = tmp_path / "run"
-    r = run_cli("train", *sets("data.name=imagefolder", f"data.root={tmp_path}", "model.name=convnet", "train.epochs=1",
-                               "data.batch_size=8", "data.global_batch_size=0", "train.seed=1", "train.precision=fp32",
-                               "train.progress=none", "train.plots=false", "train.tensorboard=false"),
-                "--devices", "cpu:2", "--run-dir", str(run))
+    data, run = one_bad_image(tmp_path / "data"), tmp_path / "run"
+    r = run_cli("train", *sets(*ONE_BAD_IMAGE, f"data.root={data}"), "--devices", "cpu:2", "--run-dir", str(run))
     assert r.returncode == 2, r.stderr
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
-    readers = [n for n in (0, 1) if "039.jpg is unreadable" in (run / "logs" / f"workerlog.{n}").read_text()]
-    assert readers == [1], readers  # what seed 1 gives; a change here moves the test, not the behaviour
+    assert readers_of_the_bad_image(run / "logs") == [1]  # what seed 1 gives; a change here moves the test, not the behaviour
     assert len(errors) == 1 and errors[0].startswith("error: rank 1: ") and "039.jpg is unreadable or truncated" in errors[0], r.stderr
     assert "collective" not in r.stderr, r.stderr
+
+
+def test_under_a_torchrun_the_user_started_rank_0_says_what_rank_1_met(tmp_path):
+    """Without brickyard's launcher (no error files read), rank 0 is the one that prints: its collective lost
+    rank 1, which left its sentence in the job's store before it left; rank 0 says that."""
+    data, run = one_bad_image(tmp_path / "data"), tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        "-m", "brickyard", "train", *sets(*ONE_BAD_IMAGE, f"data.root={data}"), "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert readers_of_the_bad_image(run / "logs") == [1]
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: ") and "039.jpg is unreadable or truncated" in errors[0], r.stderr
+    assert r.returncode != 0 and "collective lost" not in r.stderr, r.stderr
+    rank0 = (run / "logs" / "workerlog.0").read_text()
+    assert "a collective lost a peer" in rank0 and "the cause, left by rank 1: " in rank0  # both, in rank 0's log
 
 
 def test_the_launcher_says_the_cause_before_what_followed_from_it():
@@ -266,6 +268,38 @@ def test_the_launcher_says_the_cause_before_what_followed_from_it():
     assert not errorfile.launcher_says({**ours, "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "1"})
     assert not errorfile.launcher_says({**ours, errorfile.LAUNCHER_SAYS: "0"})  # several machines
     assert not errorfile.launcher_says({errorfile.ERROR_FILE: "/tmp/e.json"})  # a torchrun the user started
+
+
+def test_a_cause_left_in_the_store_is_read_only_in_brickyards_form(tmp_path):
+    """What ranks leave in the job's store and read back (a real TCPStore on loopback). A value anyone on the
+    network could have written elsewhere is never read: the key holds the run's token. A malformed value at
+    that key, one from this rank itself, or a code outside 1-255 is no cause."""
+    from datetime import timedelta
+    from brickyard.errors import CollectiveError, DataError
+    from brickyard.training.loop import Interrupted, _leave_cause
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5),
+                                       wait_for_workers=False)
+
+    def vote(rank, token="t0k3n"):
+        v = dist.StopVote.__new__(dist.StopVote)
+        v.store, v.rank, v.token = store, rank, token
+        return v
+
+    one, zero = vote(1), vote(0)
+    assert zero.cause_left(wait=0.2) is None  # nothing left yet: looked for 0.2 s, then gave up
+    _leave_cause(one, CollectiveError("rank 1: a collective lost a peer."))  # a consequence is never left
+    _leave_cause(one, Interrupted("SIGTERM at step 4: saved a checkpoint."))  # every rank stops there
+    assert zero.cause_left(wait=0.1) is None
+    _leave_cause(one, OSError(28, "No space left on device", str(tmp_path / "logs" / "workerlog.1")))
+    _leave_cause(vote(2), DataError("x.jpg is unreadable."))  # a second cause: the first stays
+    assert zero.cause_left() == (1, 1, f"{tmp_path / 'logs' / 'workerlog.1'}: No space left on device.")
+    assert one.cause_left() is None  # its own
+    assert vote(0, "another run").cause_left(wait=0.1) is None  # another run's token: another key
+    for forged in (b"nonsense", b"x|2|y", b"1|999|y", b"1|2|", "1|2|\u00e9".encode("latin-1")):
+        store.set("brickyard/cause/forged", forged)
+        assert vote(0, "forged").cause_left(wait=0.1) is None, forged
+    store.set("brickyard/cause/multi", b"3|2|first line\nsecond line")
+    assert vote(0, "multi").cause_left() == (3, 2, "first line")
 
 
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):

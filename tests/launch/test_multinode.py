@@ -17,7 +17,7 @@ import netns
 from brickyard import api
 from brickyard.training import checkpoint
 from brickyard.config import load_config
-from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
 
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network hosts: {REASON}")
@@ -145,6 +145,23 @@ def test_a_cut_network_ends_both_nodes_with_one_sentence_within_the_timeout(host
     assert "this node lost its connection to the job's store at 192.168.250.1:" in results[1][2]
     newest = checkpoint.step_checkpoints(run / "checkpoints")[-1]
     assert checkpoint.load(newest)["step"] >= 10  # the last checkpoint is whole
+
+
+def test_a_bad_image_one_rank_meets_is_what_both_nodes_say(hosts, tmp_path):
+    """Two hosts of two processes; the cut image falls in rank 1's share (seed 2, pinned; the workerlogs say
+    whose): the second worker of the first node, which prints nothing itself. Every other rank only loses a
+    peer, and each node's console says rank 1's sentence once, not "a collective lost a peer"."""
+    data, run = one_bad_image(tmp_path / "data"), tmp_path / "run"
+    h = hosts(2)
+    config = [s for s in ONE_BAD_IMAGE if not s.startswith("train.seed")] + ["train.seed=2", f"data.root={data}"]
+    procs = [_node(h, i, run, 2, devices="cpu:2", config=config) for i in (1, 0)]
+    results = [_wait(p, timeout=200) for p in procs][::-1]
+    assert readers_of_the_bad_image(run / "logs-node0") == [1] and readers_of_the_bad_image(run / "logs-node1") == []
+    for rc, _, err in results:
+        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        assert rc == 2 and len(errors) == 1, err[-3000:]
+        assert errors[0].startswith("error: rank 1: ") and "039.jpg is unreadable or truncated" in errors[0], err[-3000:]
+        assert "collective" not in err, err[-3000:]
 
 
 def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 import slurm_cluster
 from brickyard.training import checkpoint
-from conftest import ACROSS_ORDERS, ROOT, SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, ROOT, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
 
 pytestmark = pytest.mark.skipif(slurm_cluster.unavailable() is not None, reason=str(slurm_cluster.unavailable()))
 
@@ -59,6 +59,19 @@ def test_srun_two_tasks_train_as_one_process_would_in_one_run_directory(cluster,
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert _diff(_final(one)["model"], _final(run)["model"]) < ACROSS_ORDERS
     assert r.stdout.count("test accuracy:") == 1  # rank 0 alone prints the result
+
+
+def test_a_bad_image_only_rank_1_reads_is_what_srun_prints(cluster, tmp_path):
+    """Under srun rank 0 prints the job's error. Rank 1 met the cut image alone, and rank 0 only lost it: the
+    one line is rank 1's sentence (left in the job's store), with rank 1's exit code, not "a collective lost
+    a peer"."""
+    data, run = one_bad_image(tmp_path / "data"), tmp_path / "run"
+    r = cluster.run(["srun", "-n", "2", *BRICKYARD, "train", *sets(*ONE_BAD_IMAGE, f"data.root={data}"),
+                     "--run-dir", str(run)], timeout=200)
+    assert readers_of_the_bad_image(run / "logs") == [1]  # seed 1 gives it to rank 1
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: ") and "039.jpg is unreadable or truncated" in errors[0], r.stderr
+    assert r.returncode == 2 and "collective" not in r.stderr, r.stderr[-3000:]
 
 
 LONG = [s for s in SAME if not s.startswith(("train.max_steps", "train.epochs"))] + [

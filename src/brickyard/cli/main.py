@@ -26,7 +26,7 @@ from brickyard.cli import train
 from brickyard.distributed import env as dist
 from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError
-from brickyard.files import printable
+from brickyard.files import os_error
 
 # the order `brickyard --help` lists them in; command name -> module of this package
 MODULES = {"train": "train", "eval": "eval", "data": "data", "plot": "plot", "inspect": "inspect", "predict": "predict",
@@ -113,8 +113,7 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # a run or output folder that cannot be made or written, a full disk
-        where = f"{printable(e.filename)}: " if e.filename else ""
-        _say(f"{where}{e.strerror or e}.", 1)
+        _say(os_error(e), 1)
         return 1
     except MemoryError as e:  # the host's memory, before a run could explain it (building a model, loading data)
         _say(f"out of host memory ({_first_line(e)}); try a smaller model, data.batch_size or data.cache: none.", 1)

@@ -235,6 +235,69 @@ class StopVote:
             reason = f"{reason} to rank {rank}" if kind == "signal" else f"{reason} (rank {rank})"
         self.at, self.agreed = at, Stop(kind, reason)
 
+    # An error one rank meets alone (a corrupt image in its share of the data) ends that rank, and the others
+    # then see only a collective that lost its peer. The rank leaves its sentence in the job's store before it
+    # leaves the group, and a rank whose collective failed says that sentence instead, with whatever launched
+    # the job: srun, a torchrun the user started, one brickyard launcher a machine. Under brickyard's launcher
+    # on one machine, torchrun's error files carry it too (``errorfile``). The key holds the job's token, which
+    # travelled over the process group, so a value at it was written by a rank of this run.
+
+    @property
+    def _cause_key(self) -> str:
+        return f"brickyard/cause/{self.token}"
+
+    def leave_cause(self, message: str, code: int) -> None:
+        """Leave this rank's error (``code``: the exit code it ends with) for the ranks its leaving fails;
+        the first rank's to arrive stays. Never waits more than a few seconds on the store."""
+        if self.store is not None:
+            value = f"{self.rank}|{code}|{message}"
+            _within(CAUSE_STORE_S, lambda: self.store.compare_set(self._cause_key, "", value))
+
+    def cause_left(self, wait: float = 0.5) -> tuple[int, int, str] | None:
+        """(rank, exit code, sentence) of the error another rank left, looking for up to ``wait`` seconds;
+        None when none did, or the store is gone (the rank that held it has ended, a cut network)."""
+        if self.store is None:
+            return None
+
+        def read():
+            end = time.monotonic() + wait
+            while not self.store.check([self._cause_key]):
+                if time.monotonic() > end:
+                    return None
+                time.sleep(0.05)
+            return self.store.get(self._cause_key)
+
+        value = _within(wait + CAUSE_STORE_S, read)
+        try:
+            rank, code, message = value.decode().split("|", 2)
+            rank, code = int(rank), int(code)
+        except (AttributeError, ValueError, UnicodeDecodeError):
+            return None
+        message = message.strip().splitlines()[0][:1000] if message.strip() else ""
+        if rank == self.rank or not 0 <= rank < 2**31 or not 0 < code < 256 or not message:
+            return None
+        return rank, code, message
+
+
+CAUSE_STORE_S = 3.0  # the longest a failing rank waits on the job's store (one that never answers: a cut network)
+
+
+def _within(seconds: float, call):
+    """``call()``'s result, or None when it raises or has not returned within ``seconds`` (a store across a
+    cut network never answers; the call is left to a daemon thread)."""
+    found = []
+
+    def target():
+        try:
+            found.append(call())
+        except Exception:  # noqa: BLE001  the store went away: the job is ending
+            pass
+
+    thread = threading.Thread(target=target, daemon=True, name="brickyard-store")
+    thread.start()
+    thread.join(timeout=seconds)
+    return found[0] if found else None
+
 
 class Heartbeat:
     """A daemon thread that writes this rank's wall time to the job's store every ``interval`` s.
@@ -275,11 +338,7 @@ class Heartbeat:
             return []
         if time.time() - self.last_ok > self._silent_after:
             return None
-        found: list[list[int]] = []
-        reader = threading.Thread(target=lambda: found.append(self._read_silent()), daemon=True)
-        reader.start()
-        reader.join(timeout=self._silent_after)  # a store across a cut network never answers
-        return found[0] if found else None
+        return _within(self._silent_after, self._read_silent)
 
     def _read_silent(self) -> list[int]:
         now, silent = time.time(), []

@@ -14,8 +14,10 @@ from brickyard.errors import BrickyardError, CollectiveError, is_comm_failure
 from brickyard.training import memory
 
 
-def explain(e: BaseException, cfg, model, data, device: torch.device, info, log, heartbeat, log_dir) -> BaseException:
-    """The ``BrickyardError`` for ``e`` (already written to this rank's log), or ``e`` itself."""
+def explain(e: BaseException, cfg, model, data, device: torch.device, info, log, heartbeat, log_dir,
+            vote=None) -> BaseException:
+    """The ``BrickyardError`` for ``e`` (already written to this rank's log), or ``e`` itself. A collective that
+    lost a rank which left its error in the job's store (``vote``: the run's ``StopVote``) is said as that error."""
     if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
         return oom_error(cfg, model, data, device, info)
     refusal = determinism_error(e, device) if cfg.train.deterministic else None
@@ -38,7 +40,14 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
     then = f"; torchrun restarts the group ({restarts} restart(s) left)" if restarts > 0 else ""
     msg = f"rank {info.rank}: a collective {what}; {who} (see the workerlogs in {log_dir}; {reason}){then}."
     log.error(msg)
-    return CollectiveError(msg)
+    left = vote.cause_left() if vote is not None and silent is not None else None  # None: the store is out of reach
+    if left is None:
+        return CollectiveError(msg)
+    rank, code, message = left
+    log.error(f"the cause, left by rank {rank}: {message}")
+    said = CollectiveError(message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}")
+    said.exit_code = code
+    return said
 
 
 def oom_error(cfg, model, data, device, info) -> BrickyardError:

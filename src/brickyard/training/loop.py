@@ -37,7 +37,7 @@ from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, DataError, UserCodeError, reason
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
-from brickyard.files import write_json
+from brickyard.files import os_error, write_json
 from brickyard.observe.runlog import MetricsWriter, env_record
 from brickyard.callbacks.trackers import Trackers, check_installed, check_reachable
 from brickyard.config.schema import loggers
@@ -224,14 +224,18 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
         return summary
     except BrickyardError as e:
         log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
+        _leave_cause(req.vote, e)
         raise
     except OSError as e:  # a full disk, a size limit, permissions: the CLI names the file and the reason
-        log.error(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}")
+        log.error(os_error(e))
+        _leave_cause(req.vote, e)
         raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
-        explained = failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir) \
+        explained = failures.explain(e, req.config, req.model, req.data, host.device, info, log, heartbeat, log_dir,
+                                     req.vote) \
             if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
         if explained is not e:
+            _leave_cause(req.vote, explained)  # out of memory on this rank's device
             raise explained from None
         log.error(f"crashed: {type(e).__name__}: {e}", exc_info=e)
         e.logged_in = [str(h.baseFilename) for h in log.handlers if hasattr(h, "baseFilename")]  # what the CLI names
@@ -245,6 +249,17 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
                 metrics.close()
         finally:
             log.close()
+
+
+def _leave_cause(vote, e: BaseException) -> None:
+    """Leave the sentence of an error this rank met in the job's store, for the ranks whose collectives its
+    leaving fails (``StopVote.leave_cause``); not one that itself followed another rank's, nor an interruption."""
+    if vote is None or getattr(e, "follows", False):
+        return
+    if isinstance(e, OSError):
+        vote.leave_cause(os_error(e), 1)
+    elif isinstance(e, BrickyardError) and e.exit_code != 130:
+        vote.leave_cause(str(e), e.exit_code)
 
 
 def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, rundir: RunDir) -> dict:
@@ -275,6 +290,7 @@ def _train(req: Request, host: dev.Host, log: Logger, metrics: MetricsWriter, ru
         for line in rundir.repair(run.step):  # after a crash: nothing past the resumed step, no temporaries
             log.info(line)
     setup.wrap(run)
+    req.vote = e.vote
     if info.is_main:
         rundir.claim()
         rundir.save_config(cfg)

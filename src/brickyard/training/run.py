@@ -37,6 +37,7 @@ class Request:
     train_step: Callable | None = None
     started: float = 0.0                       # time.perf_counter() when train() began (the summary's wall time)
     rss_at_start_mb: float = 0.0               # resident memory then (the summary's peak is above it)
+    vote: Any = None                           # the run's ``StopVote`` once built: where an error one rank met is left
 
 
 @dataclass(frozen=True, eq=False)
