@@ -84,6 +84,30 @@ def test_imagefolder_bad_inputs(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
 
 
+def test_random_crop_pads_and_draws_as_torchvisions_random_crop():
+    """``random_crop:S:P`` is torchvision's ``RandomCrop(S, padding=P, pad_if_needed=True)`` with black
+    padding: P pixels on every border, then a crop whose top (drawn first) and left are uniform over the
+    places it fits; an image smaller than S is padded by what it lacks on both sides."""
+    import random
+    from brickyard.data.transforms import Pipeline
+    img = (torch.arange(2 * 6 * 5) % 200 + 50).to(torch.uint8).view(2, 6, 5)  # no pixel is black
+    pipe = Pipeline(["random_crop:6x5:2"], 2)
+    seen = set()
+    for seed in range(200):
+        rng, twin = random.Random(seed), random.Random(seed)
+        out = pipe(img, rng)
+        top, left = twin.randint(0, 6 + 4 - 6), twin.randint(0, 5 + 4 - 5)
+        padded = torch.nn.functional.pad(img, (2, 2, 2, 2))
+        assert out.shape == (2, 6, 5) and torch.equal(out, padded[:, top:top + 6, left:left + 5])
+        seen.add((top, left))
+    assert len(seen) == 5 * 5  # every place, each drawn
+    small = Pipeline(["random_crop:8"], 2)(img, random.Random(0))  # 6 x 5 to 8 x 8: padded by 2 and 3 a side
+    assert small.shape == (2, 8, 8) and (small > 0).sum() == img.numel()
+    for bad in ("random_crop:0", "random_crop:32:x", "random_crop:32:-1", "random_crop", "random_crop:32:99999"):
+        with pytest.raises(ConfigError, match="is not one of"):
+            load_config("mnist", IF + [f"data.train_transforms=[{bad}]"])
+
+
 def test_linked_folders_are_read_once_and_hidden_ones_not_at_all(tmp_path):
     """A class folder that is a link, a folder linked inside one (torchvision's ImageFolder follows them), a link
     back up the tree (read once, not a loop), a dangling link, and Jupyter's hidden checkpoint copies."""

@@ -55,6 +55,9 @@ def test_the_generator_is_deterministic_and_photo_like(photos, tmp_path):
     (["random_resized_crop:224", "hflip"], 0.5),  # one crop, one resize: the same filter, rounding apart
     (["resize:256", "center_crop:224"], 4),  # two resizes against one, and the JPEG draft scale
     (["resize:64x64"], 4),
+    (["random_crop:224", "hflip"], 0.5),  # a crop of the pixels themselves
+    (["resize:256", "random_crop:224"], 4),  # as resize and centre crop
+    (["resize:64x64", "random_crop:64:4"], 0),  # padded: past the image, so read step by step
 ])
 def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(photos, specs, tolerance):
     pipe = Pipeline(specs, 3)

@@ -7,18 +7,21 @@ import re
 
 from brickyard.errors import ConfigError
 
-_SIZED = ("resize", "center_crop", "random_resized_crop")
+_SIZED = ("resize", "center_crop", "random_resized_crop", "random_crop")
 
 
 def _check_transform(key: str, spec) -> None:
     name, _, arg = str(spec).partition(":")
     if name in ("hflip", "grayscale", "rgb") and not arg:
         return
-    dims = arg.split("x")
-    if name in _SIZED and 1 <= len(dims) <= 2 and all(d.isdigit() and int(d) > 0 for d in dims):
+    size, _, pad = arg.partition(":") if name == "random_crop" else (arg, "", "")
+    dims = size.split("x")
+    if (name in _SIZED and 1 <= len(dims) <= 2 and all(d.isdigit() and int(d) > 0 for d in dims)
+            and (not pad or (pad.isdigit() and int(pad) <= 4096))):
         return
-    raise ConfigError(f"{key}: transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S "
-                      f"(S a size like 224 or 28x28), hflip, grayscale, rgb.")
+    raise ConfigError(f"{key}: transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, "
+                      f"random_crop:S or random_crop:S:P (S a size like 224 or 28x28, P pixels of padding), hflip, "
+                      f"grayscale, rgb.")
 
 
 def rand_augment_policy(policy: str) -> tuple[int, float, float]:

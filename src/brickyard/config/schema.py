@@ -63,7 +63,7 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]; at least 2, each once")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
-    train_transforms: tuple = _opt(("auto",), doc="imagefolder training transforms; auto: small images (<= 64 px) at their own size, photos random_resized_crop:224, hflip")
+    train_transforms: tuple = _opt(("auto",), doc="imagefolder training transforms; auto: small images (<= 64 px) at their own size, photos random_resized_crop:224, hflip; also resize:S, center_crop:S, random_crop:S[:P], grayscale, rgb")
     eval_transforms: tuple = _opt(("auto",), doc="imagefolder evaluation transforms; auto: small images at their own size, photos resize:256, center_crop:224")
     normalize: str = _opt("imagenet", choices=("imagenet", "mnist", "half", "none"), doc="imagefolder mean/std")
     channels: int = _opt(0, choices=(0, 1, 3), doc="imagefolder channels: 1 (grey) or 3 (colour); 0 = from the first training image")

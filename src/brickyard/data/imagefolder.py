@@ -29,7 +29,7 @@ from PIL import Image, UnidentifiedImageError
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.idx import cache_dir
 from brickyard.files import printable, write_atomic
-from brickyard.data.transforms import NAMED_STATS, Pipeline, to_channels
+from brickyard.data.transforms import NAMED_STATS, Pipeline, random_crop_arg, to_channels
 from brickyard.errors import ConfigError, DataError
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -346,7 +346,7 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
                           "together.")
     train_size = _output_size(cfg.train_transforms)
     if train_size is None:
-        raise ConfigError(f"data.train_transforms must end in a fixed size (random_resized_crop:S, center_crop:S or "
+        raise ConfigError(f"data.train_transforms must end in a fixed size (random_resized_crop:S, random_crop:S, center_crop:S or "
                           f"resize:HxW) so images batch together, e.g. resize:{first.shape[1]}x{first.shape[2]} (the first "
                           f"image's size).")
     train_pipe = Pipeline(cfg.train_transforms, channels)
@@ -387,6 +387,8 @@ def _output_size(transforms) -> tuple[int, int] | None:
     (no size step, or a last resize of the shorter side)."""
     for spec in reversed(list(transforms)):
         name, _, arg = str(spec).partition(":")
+        if name == "random_crop":
+            return random_crop_arg(arg)[0]
         if name in ("center_crop", "random_resized_crop") or (name == "resize" and "x" in arg):
             return (int(arg), int(arg)) if "x" not in arg else tuple(int(v) for v in arg.split("x"))
         if name == "resize":

@@ -9,6 +9,9 @@ per worker). Python's generator, not torch's: a few scalar draws an image, each 
 - ``resize:S`` shorter side to S (``resize:HxW`` exact size), bilinear with antialiasing
 - ``center_crop:S`` / ``center_crop:HxW``
 - ``random_resized_crop:S`` area 8-100%, aspect 3/4-4/3, then resize to S
+- ``random_crop:S`` / ``random_crop:S:P`` a crop of size S at a random place, after P pixels of black
+  on every border (torchvision's ``RandomCrop(S, padding=P)``, the CIFAR recipe's ``random_crop:32:4``);
+  an image smaller than S is padded to it first (torchvision's ``pad_if_needed=True``)
 - ``hflip`` horizontal flip with probability 0.5
 - ``grayscale`` / ``rgb`` convert channels (the model's channels are matched automatically)
 """
@@ -84,6 +87,33 @@ def _random_resized_crop(img: torch.Tensor, size, rng) -> torch.Tensor:
     return _resize(img[:, top:top + ch, left:left + cw], size)
 
 
+def random_crop_arg(arg: str) -> tuple[tuple[int, int], int]:
+    """``((height, width), padding)`` of a ``random_crop`` argument: ``32``, ``32x28``, ``32:4``."""
+    size, _, pad = arg.partition(":")
+    size = _size(size, "random_crop")
+    try:
+        padding = int(pad) if pad else 0
+    except ValueError:
+        raise ConfigError(f"transform random_crop:{arg}: the padding must be a whole number of pixels, e.g. "
+                          f"random_crop:32:4.") from None
+    return ((size, size) if isinstance(size, int) else size), padding
+
+
+def _random_crop(img: torch.Tensor, arg, rng) -> torch.Tensor:
+    """torchvision's ``RandomCrop(size, padding, pad_if_needed=True)`` with black (0) padding
+    (pytorch/vision ``torchvision/transforms/transforms.py``, class ``RandomCrop``: ``forward`` pads every
+    border by ``padding``, then the width and the height by what they lack on both sides, and ``get_params``
+    draws the top in 0..h - th, then the left in 0..w - tw). The draws come from ``rng``, top first."""
+    (th, tw), padding = arg
+    h, w = img.shape[-2:]
+    short_w, short_h = max(0, tw - w - 2 * padding), max(0, th - h - 2 * padding)
+    if padding or short_w or short_h:
+        img = F.pad(img, (padding + short_w, padding + short_w, padding + short_h, padding + short_h))
+        h, w = img.shape[-2:]
+    top, left = rng.randint(0, h - th), rng.randint(0, w - tw)
+    return img[:, top:top + th, left:left + tw]
+
+
 def _hflip(img: torch.Tensor, rng) -> torch.Tensor:
     return img.flip(-1) if rng.random() < 0.5 else img
 
@@ -97,7 +127,7 @@ def to_channels(img: torch.Tensor, channels: int) -> torch.Tensor:
     return img[:1].expand(channels, -1, -1).contiguous()
 
 
-RANDOM = {"random_resized_crop", "hflip"}
+RANDOM = {"random_resized_crop", "random_crop", "hflip"}
 
 
 class Pipeline:
@@ -124,12 +154,15 @@ class Pipeline:
                 target.append((lambda img, s, _: _center_crop(img, s), size))
             elif name == "random_resized_crop":
                 target.append((_random_resized_crop, _size(arg, name)))
+            elif name == "random_crop":
+                target.append((_random_crop, random_crop_arg(arg)))
             elif name == "hflip":
                 target.append((lambda img, _, rng: _hflip(img, rng), None))
             elif name in ("grayscale", "rgb"):
                 target.append((lambda img, c, _: to_channels(img, c), 1 if name == "grayscale" else 3))
             else:
-                raise ConfigError(f"transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, hflip, grayscale, rgb.")
+                raise ConfigError(f"transform {spec!r} is not one of resize:S, center_crop:S, random_resized_crop:S, "
+                                  f"random_crop:S[:P], hflip, grayscale, rgb.")
             if target is self.prefix and name in ("resize", "center_crop"):
                 fixed = name == "center_crop" or isinstance(size, tuple)
                 self.fixed_size = ((size, size) if isinstance(size, int) else size) if fixed else None
@@ -140,6 +173,8 @@ class Pipeline:
         than the image). Draws from ``rng`` as the step-by-step pipeline does, in the same order."""
         left, top, bw, bh = 0.0, 0.0, float(w), float(h)  # the region of the original the virtual image shows
         vh, vw, flip = h, w, False                         # the virtual image's size
+        if any(name == "random_crop" and random_crop_arg(arg)[1] for name, _, arg in self.specs):
+            return None  # padding: the output reaches past the image
         for name, _, arg in self.specs:
             if name == "resize":
                 size = _size(arg, name)
@@ -163,6 +198,14 @@ class Pipeline:
                     ct, cl, ch, cw = box
                 sy, sx = bh / vh, bw / vw
                 left, top, bw, bh = left + cl * sx, top + ct * sy, cw * sx, ch * sy
+                vh, vw = th, tw
+            elif name == "random_crop":
+                (th, tw), _ = random_crop_arg(arg)
+                if th > vh or tw > vw:
+                    return None  # padded to the size: past the image
+                ct, cl = rng.randint(0, vh - th), rng.randint(0, vw - tw)
+                sy, sx = bh / vh, bw / vw
+                left, top, bw, bh = left + cl * sx, top + ct * sy, tw * sx, th * sy
                 vh, vw = th, tw
             elif name == "hflip":
                 flip = rng.random() < 0.5
