@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,viz]'
 	$(PY) -m pip install -q -e '.[onnx]' || echo "the [onnx] extra could not be installed: the ONNX tests will skip"
 	$(PY) -m pip install -q -e '.[mlflow,wandb]' || echo "the [mlflow,wandb] extras could not be installed: the tracker tests will skip"
+	$(PY) -m pip install -q -e '.[hf]' || echo "the [hf] extra (Hugging Face datasets) could not be installed: its tests will skip"
 	touch $@
 
 demo: $(VENV)/.installed

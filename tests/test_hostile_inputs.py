@@ -276,11 +276,12 @@ class _Items(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("item, words", [
-    (lambda: {"x": torch.randn(4), "y": 1}, "items must be (input, label) pairs; item 0 is a dict of x, y"),
+    (lambda: {"features": torch.randn(4), "class": 1}, "items are dicts of 'features', 'class'; brickyard reads the input from"),
     (lambda: (torch.randn(4), 1, "extra"), "items must be (input, label) pairs; item 0 is a tuple of 3"),
     (lambda: (torch.randn(4), "cat"), "item 0's label is str")])
 def test_a_dataset_of_other_items_is_one_sentence(item, words, tmp_path):
-    """A Hugging Face-style dict, a triple, a name for a label: each failed inside the loop (unpacking, .to())."""
+    """A dict of names brickyard does not read (Hugging Face's are read: tests/data/test_items.py), a triple, a name
+    for a label: each failed inside the loop (unpacking, .to())."""
     from brickyard import fit
     from brickyard.errors import DataError
     with pytest.raises(DataError, match=re.escape(words)):

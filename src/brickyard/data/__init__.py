@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brickyard.data import cifar, idx
+from brickyard.data import cifar, idx, items
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import imagefolder_bundle
@@ -97,7 +97,8 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
 
 def from_user(train, val=None, test=None, num_classes: int | None = None, model=None, own_loss: bool = False) -> DataBundle:
     """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or NumPy arrays (Keras's
-    ``fit(x, y)``), or a Dataset of pairs.
+    ``fit(x, y)``), or a Dataset of pairs (any ``len()`` and ``data[i]``; Hugging Face's dict items and PIL
+    images are read as pairs: ``brickyard.data.items``).
 
     Inputs may be N x anything: images (N x C x H x W; N x H x W tensors are taken as one-channel
     images, and N x H x W x C arrays, Keras's layout, as N x C x H x W where ``model`` takes only that:
@@ -108,14 +109,20 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     user's (``own_loss``: a ``loss_fn`` or ``train_step``; the default cross-entropy takes class indices)."""
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0):
         raise DataError(f"num_classes: {num_classes!r} is not a whole number of classes.")
-    splits = [_user_split(d, name) for d, name in ((train, "train_data"), (val, "val_data"), (test, "test_data"))]
+    names = ("train_data", "val_data", "test_data")
+    splits = [_user_split(d, name) for d, name in zip((train, val, test), names)]
     first = splits[0]
     if first is None or not len(first):
         raise DataError("train_data is empty.")
+    notes, classes = [], []
+    for split, name in zip(splits, names):  # Hugging Face's dict items, PIL images: read as (input, label) pairs
+        if split is not None and split.dataset is not None:
+            split.dataset, note, found = items.as_pairs(split.dataset, name)
+            notes += [note] if note and split is first else []
+            classes = classes or found
     if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
         raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
                         f"give class indices (labels.long()) or pass loss_fn for a regression.")
-    notes = []
     if first.images is not None and model is not None and model_reads_channels_last(model, first.images):
         given = "x".join(map(str, first.images.shape[1:]))
         for split in splits:
@@ -152,8 +159,10 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         for split, name in zip(splits, ("train_data", "val_data", "test_data")):
             _check_labels(split, name, num_classes)
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
-    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, sample_shape=shape,
-                      notes=notes)
+    if classes and len(classes) != num_classes:
+        classes = []  # names for other classes than the model's: say none rather than wrong ones
+    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
+                      sample_shape=shape, notes=notes)
 
 
 def _check_labels(split, name: str, num_classes: int) -> None:
@@ -208,7 +217,7 @@ def _user_split(data, name: str) -> Split | None:
         if inputs.dim() < 1 or len(inputs) != len(labels):
             raise DataError(f"{name}: expected N inputs and N labels, got {tuple(inputs.shape)} and {tuple(labels.shape)}.")
         return Split(inputs, labels if labels.is_floating_point() else labels.long())
-    if isinstance(data, torch.utils.data.Dataset):
+    if items.is_dataset(data):
         return Split(dataset=data)
     got = type(data).__name__
     if isinstance(data, (tuple, list)):

@@ -1,0 +1,94 @@
+"""Datasets whose items are not ``(input, label)`` pairs of tensors, read as such pairs.
+
+- **Hugging Face ``datasets``** give dicts: ``load_dataset("cifar10")["train"][0]`` is ``{"img": <PIL
+  image>, "label": 0}``, ``with_format("torch")`` makes the image a uint8 C x H x W tensor, and an image
+  processor adds ``pixel_values``. The input is read from the first of ``INPUT_KEYS`` an item has and the
+  label from the first of ``LABEL_KEYS``; the class names come from the label column's ``ClassLabel``
+  (``dataset.features[key].names``), so ``predict`` and the plots name classes.
+- **PIL images** (such a dataset without a format, or a ``(PIL image, label)`` Dataset of the user's) are
+  read as uint8 C x H x W: one channel for grey and 16-bit images, three for the others, as image folders
+  read them (``imagefolder.as_uint8``).
+
+Any object with ``__len__`` and integer ``__getitem__`` is a dataset here, as it is for torch's
+``DataLoader``: a Hugging Face ``Dataset`` is not a ``torch.utils.data.Dataset``, and a list of pairs is a
+dataset too.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from PIL import Image
+
+from brickyard.errors import DataError
+
+INPUT_KEYS = ("pixel_values", "image", "img", "images", "input", "inputs", "x")
+LABEL_KEYS = ("label", "labels", "fine_label", "target", "targets", "y")
+
+
+def is_dataset(data) -> bool:
+    """A map-style dataset: ``len()`` and ``data[i]``; not a string, a mapping, or arrays."""
+    if isinstance(data, torch.utils.data.Dataset):
+        return True
+    if isinstance(data, (str, bytes, Mapping)) or hasattr(data, "__array__"):
+        return False
+    if isinstance(data, (list, tuple)):  # a list of pairs (or dicts), not a pair of arrays or of nested lists
+        first = data[0] if len(data) else None
+        return isinstance(first, Mapping) or (isinstance(first, (tuple, list)) and len(first) == 2
+                                              and not isinstance(first[0], (list, tuple)))
+    return hasattr(data, "__len__") and hasattr(data, "__getitem__")
+
+
+class Pairs(torch.utils.data.Dataset):
+    """``data``'s items as ``(input, label)``: ``item[input_key]``, ``item[label_key]`` (keys or indices),
+    PIL images as uint8 tensors."""
+
+    def __init__(self, data, input_key, label_key):
+        self.data, self.input_key, self.label_key = data, input_key, label_key
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        item = self.data[i]
+        return as_input(item[self.input_key]), item[self.label_key]
+
+
+def as_input(x):
+    """A PIL image as uint8 C x H x W; anything else as it is."""
+    if not isinstance(x, Image.Image):
+        return x
+    from brickyard.data.imagefolder import GREY, as_uint8
+    pixels = as_uint8(x, "L" if x.mode in GREY else "RGB")
+    pixels = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return torch.from_numpy(np.ascontiguousarray(pixels))
+
+
+def as_pairs(data, name: str) -> tuple[torch.utils.data.Dataset, str | None, list[str]]:
+    """``(dataset of pairs, a note for the run's log or None, class names or [])`` for a map-style dataset
+    whose items are dicts, or pairs whose input is a PIL image; other datasets are returned as they are."""
+    if not len(data):
+        return data, None, []
+    item = data[0]
+    if isinstance(item, Mapping):
+        keys = list(item)
+        x_key = next((k for k in INPUT_KEYS if k in item), None)
+        y_key = next((k for k in LABEL_KEYS if k in item), None)
+        if x_key is None or y_key is None:
+            shown = ", ".join(map(repr, keys[:8])) + (", ..." if len(keys) > 8 else "")
+            raise DataError(f"{name}: items are dicts of {shown}; brickyard reads the input from the first of "
+                            f"{', '.join(INPUT_KEYS)} and the label from the first of {', '.join(LABEL_KEYS)} (as Hugging "
+                            f"Face data sets name them): rename the columns, or give (input, label) pairs.")
+        note = f"{name}: items are dicts; read {x_key!r} as the input and {y_key!r} as the label"
+        return Pairs(data, x_key, y_key), note, _class_names(data, y_key)
+    if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Image.Image):
+        return Pairs(data, 0, 1), f"{name}: PIL images, read as uint8 tensors", []
+    return data, None, []
+
+
+def _class_names(data, key) -> list[str]:
+    """The names of a Hugging Face ``ClassLabel`` column (``data.features[key].names``), or []."""
+    features = getattr(data, "features", None)
+    names = getattr(features.get(key), "names", None) if isinstance(features, Mapping) else None
+    return [str(n) for n in names] if isinstance(names, (list, tuple)) and names else []

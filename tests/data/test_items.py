@@ -1,0 +1,88 @@
+"""Datasets of other items than (tensor, label) pairs: Hugging Face ``datasets`` (a real ``datasets.Dataset``,
+made offline from PIL images, with and without ``with_format("torch")``), dict items of other names, PIL
+images, a list of pairs. Pinned: fp32, one thread, a few steps."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from brickyard import api, predict
+from brickyard.training import checkpoint
+from brickyard.data import from_user
+from brickyard.errors import DataError
+
+RUN = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.plots=false", "train.tensorboard=false",
+       "data.batch_size=8"]
+
+
+def _photos(n, seed=0):
+    """n 12 x 10 RGB images whose class (0-2) is the bright channel, and their labels."""
+    rng = np.random.default_rng(seed)
+    labels = [i % 3 for i in range(n)]
+    images = []
+    for c in labels:
+        pixels = rng.integers(0, 60, (12, 10, 3), dtype=np.uint8)
+        pixels[..., c] += 150
+        images.append(Image.fromarray(pixels))
+    return images, labels
+
+
+def _net():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("torch_format", [False, True])
+def test_a_hugging_face_dataset_trains_and_names_its_classes(torch_format, tmp_path):
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["red", "green", "blue"])})
+
+    def split(n, seed):
+        images, labels = _photos(n, seed)
+        ds = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
+        return ds.with_format("torch") if torch_format else ds
+
+    train, test = split(48, 0), split(12, 1)
+    torch.manual_seed(0)
+    model = _net()
+    summary = api.fit(model, train, test_data=test, run_dir=tmp_path / "r",
+                      overrides=RUN + ["train.epochs=30", "optim.lr=0.01", "data.num_workers=1"])
+    assert summary["test_accuracy"] == 1.0, summary  # the bright channel is learnt
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "train_data: items are dicts; read 'img' as the input and 'label' as the label" in log
+    saved = checkpoint.load(checkpoint.step_checkpoints(tmp_path / "r" / "checkpoints")[-1])
+    assert saved["meta"]["classes"] == ["red", "green", "blue"]  # the ClassLabel's names: predict and plots name classes
+    pixels = torch.stack([torch.from_numpy(np.asarray(im)).permute(2, 0, 1) for im in _photos(3, 2)[0]])
+    assert predict(model, pixels)["predicted"].tolist() == [0, 1, 2]
+
+
+def test_dict_items_of_other_names_pil_pairs_and_lists(tmp_path):
+    images, labels = _photos(6)
+
+    class Items(torch.utils.data.Dataset):
+        def __init__(self, make):
+            self.make = make
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return self.make(i)
+
+    data = from_user(Items(lambda i: {"pixel_values": torch.zeros(3, 4, 4), "image": images[i], "labels": labels[i]}), num_classes=3)
+    x, y = data.train.dataset[1]
+    assert x.shape == (3, 4, 4) and y == 1  # pixel_values (an image processor's) before image
+    data = from_user(Items(lambda i: (images[i], labels[i])), num_classes=3)
+    x, y = data.train.dataset[0]
+    assert x.dtype == torch.uint8 and x.shape == (3, 12, 10) and torch.equal(x.permute(1, 2, 0), torch.from_numpy(np.asarray(images[0])))
+    grey = from_user([(images[i].convert("L"), labels[i]) for i in range(6)], num_classes=3)  # a list of pairs
+    assert grey.train.dataset[0][0].shape == (1, 12, 10) and grey.in_channels == 1
+    with pytest.raises(DataError, match=r"train_data: items are dicts of 'pic', 'class'; brickyard reads the input "
+                                        r"from the first of pixel_values, image, img"):
+        from_user(Items(lambda i: {"pic": images[i], "class": labels[i]}), num_classes=3)
+    summary = api.fit(_net(), [(images[i], labels[i]) for i in range(6)], num_classes=3, run_dir=tmp_path / "r",
+                      overrides=RUN + ["train.max_steps=2"])
+    assert summary["steps"] == 2
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
