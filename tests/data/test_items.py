@@ -34,15 +34,17 @@ def _net():
                                torch.nn.Flatten(), torch.nn.Linear(8, 3))
 
 
-@pytest.mark.parametrize("torch_format", [False, True])
-def test_a_hugging_face_dataset_trains_and_names_its_classes(torch_format, tmp_path):
+@pytest.mark.parametrize("form", [None, "torch", "numpy"])
+def test_a_hugging_face_dataset_trains_and_names_its_classes(form, tmp_path):
+    """As ``load_dataset`` gives it (PIL images), and in torch's and NumPy's formats (C x H x W tensors; H x W x C
+    read-only arrays, read channels-first because the model takes only that)."""
     datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
     features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["red", "green", "blue"])})
 
     def split(n, seed):
         images, labels = _photos(n, seed)
         ds = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
-        return ds.with_format("torch") if torch_format else ds
+        return ds.with_format(form) if form else ds
 
     train, test = split(48, 0), split(12, 1)
     torch.manual_seed(0)
@@ -52,9 +54,10 @@ def test_a_hugging_face_dataset_trains_and_names_its_classes(torch_format, tmp_p
     assert summary["test_accuracy"] == 1.0, summary  # the bright channel is learnt
     log = (tmp_path / "r" / "train.log").read_text()
     assert "train_data: items are dicts; read 'img' as the input and 'label' as the label" in log
+    assert ("the inputs are 12x10x3 (channels last" in log) == (form == "numpy")
     saved = checkpoint.load(checkpoint.step_checkpoints(tmp_path / "r" / "checkpoints")[-1])
     assert saved["meta"]["classes"] == ["red", "green", "blue"]  # the ClassLabel's names: predict and plots name classes
-    pixels = torch.stack([torch.from_numpy(np.asarray(im)).permute(2, 0, 1) for im in _photos(3, 2)[0]])
+    pixels = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1) for im in _photos(3, 2)[0]])
     assert predict(model, pixels)["predicted"].tolist() == [0, 1, 2]
 
 
@@ -76,7 +79,7 @@ def test_dict_items_of_other_names_pil_pairs_and_lists(tmp_path):
     assert x.shape == (3, 4, 4) and y == 1  # pixel_values (an image processor's) before image
     data = from_user(Items(lambda i: (images[i], labels[i])), num_classes=3)
     x, y = data.train.dataset[0]
-    assert x.dtype == torch.uint8 and x.shape == (3, 12, 10) and torch.equal(x.permute(1, 2, 0), torch.from_numpy(np.asarray(images[0])))
+    assert x.dtype == torch.uint8 and x.shape == (3, 12, 10) and torch.equal(x.permute(1, 2, 0), torch.from_numpy(np.array(images[0])))
     grey = from_user([(images[i].convert("L"), labels[i]) for i in range(6)], num_classes=3)  # a list of pairs
     assert grey.train.dataset[0][0].shape == (1, 12, 10) and grey.in_channels == 1
     with pytest.raises(DataError, match=r"train_data: items are dicts of 'pic', 'class'; brickyard reads the input "

@@ -140,7 +140,15 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
             raise DataError(f"train_data: a Dataset's items must be (input, label) pairs; item 0 is {what}.")
         sample, label = item
         if hasattr(sample, "__array__") and not isinstance(sample, torch.Tensor):
-            sample = torch.as_tensor(np.asarray(sample))  # the DataLoader's collate turns arrays into tensors too
+            sample = items.as_input(np.asarray(sample))  # the DataLoader's collate turns arrays into tensors too
+        if isinstance(sample, torch.Tensor) and model is not None and model_reads_channels_last(model, sample[None]):
+            given = "x".join(map(str, sample.shape))
+            for split in splits:
+                if split is not None and split.dataset is not None:
+                    split.dataset = items.read_channels_first(split.dataset)
+            sample = sample.permute(2, 0, 1)
+            notes.append(f"the inputs are {given} (channels last, as Keras and NumPy keep images) and the model takes "
+                         f"channels first: read as {'x'.join(map(str, sample.shape))}")
         if not isinstance(label, (int, float, np.number, np.ndarray, torch.Tensor)):
             raise DataError(f"train_data: item 0's label is {type(label).__name__}; labels are class indices (int), "
                             f"numbers, or tensors of class probabilities.")

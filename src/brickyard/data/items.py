@@ -42,27 +42,41 @@ def is_dataset(data) -> bool:
 
 class Pairs(torch.utils.data.Dataset):
     """``data``'s items as ``(input, label)``: ``item[input_key]``, ``item[label_key]`` (keys or indices),
-    PIL images as uint8 tensors."""
+    PIL images and NumPy arrays as tensors; with ``channels_first``, H x W x C inputs as C x H x W."""
 
-    def __init__(self, data, input_key, label_key):
+    def __init__(self, data, input_key=0, label_key=1, channels_first: bool = False):
         self.data, self.input_key, self.label_key = data, input_key, label_key
+        self.channels_first = channels_first
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i):
         item = self.data[i]
-        return as_input(item[self.input_key]), item[self.label_key]
+        x = as_input(item[self.input_key])
+        if self.channels_first and isinstance(x, torch.Tensor) and x.dim() == 3:
+            x = x.permute(2, 0, 1)
+        return x, item[self.label_key]
 
 
 def as_input(x):
-    """A PIL image as uint8 C x H x W; anything else as it is."""
+    """A PIL image as uint8 C x H x W, a NumPy array as a tensor (a copy where the array is read-only, as
+    Hugging Face's NumPy format gives them); anything else as it is."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x if x.flags.writeable else x.copy())
     if not isinstance(x, Image.Image):
         return x
     from brickyard.data.imagefolder import GREY, as_uint8
     pixels = as_uint8(x, "L" if x.mode in GREY else "RGB")
-    pixels = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
-    return torch.from_numpy(np.ascontiguousarray(pixels))
+    pixels = np.ascontiguousarray(pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1))
+    return torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy())  # Pillow's own buffer is read-only
+
+
+def read_channels_first(data) -> torch.utils.data.Dataset:
+    """``data`` (a dataset of pairs) with its H x W x C inputs read as C x H x W."""
+    if isinstance(data, Pairs):
+        return Pairs(data.data, data.input_key, data.label_key, channels_first=True)
+    return Pairs(data, channels_first=True)
 
 
 def as_pairs(data, name: str) -> tuple[torch.utils.data.Dataset, str | None, list[str]]:
