@@ -45,7 +45,8 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
         return CollectiveError(msg)
     rank, code, message = left
     log.error(f"the cause, left by rank {rank}: {message}")
-    said = CollectiveError(message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}")
+    message = message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"
+    said = CollectiveError(message + (f" torchrun restarts the group ({restarts} restart(s) left)." if restarts > 0 else ""))
     said.exit_code = code
     return said
 
