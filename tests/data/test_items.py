@@ -85,6 +85,9 @@ def test_dict_items_of_other_names_pil_pairs_and_lists(tmp_path):
     with pytest.raises(DataError, match=r"train_data: items are dicts of 'pic', 'class'; brickyard reads the input "
                                         r"from the first of pixel_values, image, img"):
         from_user(Items(lambda i: {"pic": images[i], "class": labels[i]}), num_classes=3)
+    with pytest.raises(DataError, match=r"train_data: a mapping of splits \('train', 'test'\), as Hugging Face's "
+                                        r"load_dataset returns; pass one split, e.g. fit\(model, ds\['train'\]"):
+        from_user({"train": Items(lambda i: (images[i], labels[i])), "test": []})
     summary = api.fit(_net(), [(images[i], labels[i]) for i in range(6)], num_classes=3, run_dir=tmp_path / "r",
                       overrides=RUN + ["train.max_steps=2"])
     assert summary["steps"] == 2

@@ -6,6 +6,7 @@ loader. Normalisation and augmentation happen on the device, after a batch is lo
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -227,6 +228,10 @@ def _user_split(data, name: str) -> Split | None:
         return Split(inputs, labels if labels.is_floating_point() else labels.long())
     if items.is_dataset(data):
         return Split(dataset=data)
+    if isinstance(data, Mapping) and any(k in data for k in ("train", "test", "validation")):
+        splits = ", ".join(map(repr, list(data)[:4]))
+        raise DataError(f"{name}: a mapping of splits ({splits}), as Hugging Face's load_dataset returns; pass one split, "
+                        f"e.g. fit(model, ds['train'], test_data=ds['test']).")
     got = type(data).__name__
     if isinstance(data, (tuple, list)):
         got = f"a {got} of {len(data)}: {', '.join(type(t).__name__ for t in data[:3])}{', ...' if len(data) > 3 else ''}"
