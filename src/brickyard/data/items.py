@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from brickyard.data.imagefolder import GREY, as_uint8
 from brickyard.errors import DataError
 
 INPUT_KEYS = ("pixel_values", "image", "img", "images", "input", "inputs", "x")
@@ -66,7 +67,6 @@ def as_input(x):
         return torch.from_numpy(x if x.flags.writeable else x.copy())
     if not isinstance(x, Image.Image):
         return x
-    from brickyard.data.imagefolder import GREY, as_uint8
     pixels = as_uint8(x, "L" if x.mode in GREY else "RGB")
     pixels = np.ascontiguousarray(pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1))
     return torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy())  # Pillow's own buffer is read-only
