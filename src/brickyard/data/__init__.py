@@ -129,8 +129,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         for split in splits:
             if split is not None and split.images is not None and split.images.dim() == 4:
                 split.images = channels_first(split.images)
-        notes.append(f"the inputs are {given} (channels last, as Keras keeps images) and the model takes channels "
-                     f"first: read as {'x'.join(map(str, first.images.shape[1:]))}")
+        notes.append(_read_channels_first(given, first.images.shape[1:]))
     if first.images is not None:
         sample, label = first.images[0], first.labels[0]
     else:
@@ -148,8 +147,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
                 if split is not None and split.dataset is not None:
                     split.dataset = items.read_channels_first(split.dataset)
             sample = sample.permute(2, 0, 1)
-            notes.append(f"the inputs are {given} (channels last, as Keras and NumPy keep images) and the model takes "
-                         f"channels first: read as {'x'.join(map(str, sample.shape))}")
+            notes.append(_read_channels_first(given, sample.shape))
         if not isinstance(label, (int, float, np.number, np.ndarray, torch.Tensor)):
             raise DataError(f"train_data: item 0's label is {type(label).__name__}; labels are class indices (int), "
                             f"numbers, or tensors of class probabilities.")
@@ -172,6 +170,12 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         classes = []  # names for other classes than the model's: say none rather than wrong ones
     return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
                       sample_shape=shape, notes=notes)
+
+
+def _read_channels_first(given: str, shape) -> str:
+    """The log's note for inputs given channels-last (``given``: "32x32x3") and read as ``shape``."""
+    return (f"the inputs are {given} (channels last, as Keras keeps images) and the model takes channels first: "
+            f"read as {'x'.join(map(str, shape))}")
 
 
 def _check_labels(split, name: str, num_classes: int) -> None:

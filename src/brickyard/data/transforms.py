@@ -140,6 +140,7 @@ class Pipeline:
 
     def __init__(self, specs, channels: int):
         self.specs = [str(s).partition(":") for s in specs]
+        self.padded = any(name == "random_crop" and random_crop_arg(arg)[1] for name, _, arg in self.specs)
         self.prefix, self.suffix = [], []
         self.channels = channels
         self.fixed_size = None  # (H, W) after the prefix, when it ends in a fixed size
@@ -173,7 +174,7 @@ class Pipeline:
         than the image). Draws from ``rng`` as the step-by-step pipeline does, in the same order."""
         left, top, bw, bh = 0.0, 0.0, float(w), float(h)  # the region of the original the virtual image shows
         vh, vw, flip = h, w, False                         # the virtual image's size
-        if any(name == "random_crop" and random_crop_arg(arg)[1] for name, _, arg in self.specs):
+        if self.padded:
             return None  # padding: the output reaches past the image
         for name, _, arg in self.specs:
             if name == "resize":

@@ -76,4 +76,9 @@ def cause(failures: dict) -> tuple[str, int] | None:
     if not said:
         return None
     _, _, _, rank, message, code = min(said)
-    return (message if rank == 0 or message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"), code
+    return (message if rank == 0 else by_rank(message, rank)), code
+
+
+def by_rank(message: str, rank: int) -> str:
+    """``message`` said for ``rank``: prefixed ``rank N:`` unless it already is."""
+    return message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError, CollectiveError, is_comm_failure
 from brickyard.training import memory
 
@@ -45,8 +46,7 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
         return CollectiveError(msg)
     rank, code, message = left
     log.error(f"the cause, left by rank {rank}: {message}")
-    message = message if message.startswith(f"rank {rank}:") else f"rank {rank}: {message}"
-    said = CollectiveError(message + (f" torchrun restarts the group ({restarts} restart(s) left)." if restarts > 0 else ""))
+    said = CollectiveError(errorfile.by_rank(message, rank) + (f" torchrun restarts the group ({restarts} restart(s) left)." if restarts > 0 else ""))
     said.exit_code = code
     return said
 
