@@ -101,7 +101,7 @@ def random_crop_arg(arg: str) -> tuple[tuple[int, int], int]:
 
 def _random_crop(img: torch.Tensor, arg, rng) -> torch.Tensor:
     """torchvision's ``RandomCrop(size, padding, pad_if_needed=True)`` with black (0) padding
-    (pytorch/vision ``torchvision/transforms/transforms.py``, class ``RandomCrop``: ``forward`` pads every
+    (pytorch/vision ``torchvision/transforms/transforms.py`` at 6247d96, class ``RandomCrop``: ``forward`` pads every
     border by ``padding``, then the width and the height by what they lack on both sides, and ``get_params``
     draws the top in 0..h - th, then the left in 0..w - tw). The draws come from ``rng``, top first."""
     (th, tw), padding = arg
