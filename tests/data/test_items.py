@@ -92,3 +92,46 @@ def test_dict_items_of_other_names_pil_pairs_and_lists(tmp_path):
                       overrides=RUN + ["train.max_steps=2"])
     assert summary["steps"] == 2
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("form", ["torch", "numpy"])
+def test_a_column_stored_as_uint8_arrays_trains_as_images(form, tmp_path):
+    """``Array3D(..., "uint8")`` comes out of the torch and NumPy formats as int64 (they widen every integer);
+    brickyard reads it back as uint8, so a float model takes it, scaled to [0, 1] as images are."""
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
+    images, labels = _photos(48)
+    pixels = [np.array(im).transpose(2, 0, 1) for im in images]  # C x H x W, as a user who stacked arrays stores them
+    features = datasets.Features({"image": datasets.Array3D((3, 12, 10), "uint8"), "label": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"image": pixels, "label": labels}, features=features).with_format(form)
+    assert ds[0]["image"].dtype in (torch.int64, np.int64)  # what the format gives: the reason for the cast
+    torch.manual_seed(0)
+    summary = api.fit(_net(), ds, test_data=ds, run_dir=tmp_path / "r",
+                      overrides=RUN + ["train.epochs=30", "optim.lr=0.01", "data.num_workers=1"])
+    assert summary["test_accuracy"] == 1.0, summary
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "'image' is stored as uint8: read as uint8 images, scaled to [0, 1]" in log
+
+
+def test_unlabelled_items_are_one_sentence_before_training(tmp_path):
+    """A Hugging Face split with -1 labels (published without answers) is refused before anything is written,
+    for the training split and for the test split; another dataset's -1 is one sentence at its batch."""
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
+    images, labels = _photos(24)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    good = datasets.Dataset.from_dict({"img": images, "label": labels}, features=features)
+    unlabelled = datasets.Dataset.from_dict({"img": images, "label": [-1] * 3 + labels[3:]}, features=features)
+    for train, test, name in ((unlabelled, None, "train_data"), (good, unlabelled.shuffle(seed=1), "test_data")):
+        with pytest.raises(DataError, match=rf"^{name}: 3 of 24 items have a negative 'label' \(-1 at item \d+\); Hugging "
+                                            r"Face marks unlabelled items so: keep the labelled ones \(`ds.filter"):
+            api.fit(_net(), train, test_data=test, run_dir=tmp_path / name, overrides=RUN + ["train.max_steps=2"])
+        assert not (tmp_path / name).exists()
+
+    class Items(torch.utils.data.Dataset):  # not Hugging Face's: its labels are met batch by batch
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, i):
+            return torch.from_numpy(np.array(images[i]).transpose(2, 0, 1).copy()), -1 if i == 5 else labels[i]
+
+    with pytest.raises(DataError, match=r"^a batch holds label -1, outside the model's 3 classes 0\.\.2: fix the labels"):
+        api.fit(_net(), Items(), run_dir=tmp_path / "items", overrides=RUN + ["train.epochs=1"])

@@ -4,7 +4,11 @@
   image>, "label": 0}``, ``with_format("torch")`` makes the image a uint8 C x H x W tensor, and an image
   processor adds ``pixel_values``. The input is read from the first of ``INPUT_KEYS`` an item has and the
   label from the first of ``LABEL_KEYS``; the class names come from the label column's ``ClassLabel``
-  (``dataset.features[key].names``), so ``predict`` and the plots name classes.
+  (``dataset.features[key].names``), so ``predict`` and the plots name classes. An input column stored as
+  uint8 arrays (``Array3D(..., "uint8")``, lists of ``Value("uint8")``) is read as uint8, and so scaled to
+  [0, 1] as images are: the torch and NumPy formats widen every integer to int64
+  (``datasets/formatting/torch_formatter.py`` and ``np_formatter.py``, ``_tensorize``, datasets 5.2), which
+  a float model cannot take. Image columns stay uint8 there (the PIL image is converted before that rule).
 - **PIL images** (such a dataset without a format, or a ``(PIL image, label)`` Dataset of the user's) are
   read as uint8 C x H x W: one channel for grey and 16-bit images, three for the others, as image folders
   read them (``imagefolder.as_uint8``).
@@ -43,11 +47,12 @@ def is_dataset(data) -> bool:
 
 class Pairs(torch.utils.data.Dataset):
     """``data``'s items as ``(input, label)``: ``item[input_key]``, ``item[label_key]`` (keys or indices),
-    PIL images and NumPy arrays as tensors; with ``channels_first``, H x W x C inputs as C x H x W."""
+    PIL images and NumPy arrays as tensors; with ``channels_first``, H x W x C inputs as C x H x W; with
+    ``uint8``, integer inputs as uint8 (for a column the data set stores as uint8)."""
 
-    def __init__(self, data, input_key=0, label_key=1, channels_first: bool = False):
+    def __init__(self, data, input_key=0, label_key=1, channels_first: bool = False, uint8: bool = False):
         self.data, self.input_key, self.label_key = data, input_key, label_key
-        self.channels_first = channels_first
+        self.channels_first, self.uint8 = channels_first, uint8
 
     def __len__(self) -> int:
         return len(self.data)
@@ -57,6 +62,8 @@ class Pairs(torch.utils.data.Dataset):
         x = as_input(item[self.input_key])
         if self.channels_first and isinstance(x, torch.Tensor) and x.dim() == 3:
             x = x.permute(2, 0, 1)
+        if self.uint8 and isinstance(x, torch.Tensor) and x.dtype != torch.uint8 and not x.is_floating_point():
+            x = x.to(torch.uint8)  # stored as uint8: every value fits
         return x, item[self.label_key]
 
 
@@ -75,7 +82,7 @@ def as_input(x):
 def read_channels_first(data) -> torch.utils.data.Dataset:
     """``data`` (a dataset of pairs) with its H x W x C inputs read as C x H x W."""
     if isinstance(data, Pairs):
-        return Pairs(data.data, data.input_key, data.label_key, channels_first=True)
+        return Pairs(data.data, data.input_key, data.label_key, channels_first=True, uint8=data.uint8)
     return Pairs(data, channels_first=True)
 
 
@@ -94,11 +101,48 @@ def as_pairs(data, name: str) -> tuple[torch.utils.data.Dataset, str | None, lis
             raise DataError(f"{name}: items are dicts of {shown}; brickyard reads the input from the first of "
                             f"{', '.join(INPUT_KEYS)} and the label from the first of {', '.join(LABEL_KEYS)} (as Hugging "
                             f"Face data sets name them): rename the columns, or give (input, label) pairs.")
+        _check_labels(data, y_key, name)
         note = f"{name}: items are dicts; read {x_key!r} as the input and {y_key!r} as the label"
-        return Pairs(data, x_key, y_key), note, _class_names(data, y_key)
+        uint8 = _stored_dtype(data, x_key) == "uint8"
+        if uint8:
+            note += f" ({x_key!r} is stored as uint8: read as uint8 images, scaled to [0, 1])"
+        return Pairs(data, x_key, y_key, uint8=uint8), note, _class_names(data, y_key)
     if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Image.Image):
         return Pairs(data, 0, 1), f"{name}: PIL images, read as uint8 tensors", []
     return data, None, []
+
+
+def _check_labels(data, key, name: str) -> None:
+    """A Hugging Face data set's label column, read whole (Arrow, milliseconds for 60,000 rows): a
+    negative label is one sentence before training. Hugging Face marks unlabelled items -1 (test splits
+    published without their answers), which cross-entropy would meet as "Target -1 is out of bounds" at
+    the first batch that holds one. Other datasets' labels are met item by item, as torch's loader does."""
+    if not (hasattr(data, "select_columns") and hasattr(data, "with_format")):
+        return
+    try:
+        labels = np.asarray(data.select_columns([key]).with_format("numpy")[:][key])
+    except Exception:  # noqa: BLE001 - a column that is not an array of numbers: left to the loader
+        return
+    if labels.dtype.kind not in "iu" or labels.ndim != 1:
+        return
+    bad = np.flatnonzero(labels < 0)
+    if bad.size:
+        raise DataError(f"{name}: {bad.size:,} of {labels.size:,} items have a negative {key!r} ({labels[bad[0]]} at "
+                        f"item {bad[0]:,}); Hugging Face marks unlabelled items so: keep the labelled ones "
+                        f"(`ds.filter(lambda item: item[{key!r}] >= 0)`) or leave this split out.")
+
+
+def _stored_dtype(data, key) -> str | None:
+    """The element type a Hugging Face column is stored as (``Array2D``-``Array5D``, ``Value``, and lists of
+    them), or None."""
+    features = getattr(data, "features", None)
+    feature = features.get(key) if isinstance(features, Mapping) else None
+    for _ in range(8):  # List(List(Value)): a few levels of lists
+        if feature is None or isinstance(getattr(feature, "dtype", None), str):
+            break
+        feature = getattr(feature, "feature", None)
+    dtype = getattr(feature, "dtype", None)
+    return dtype if isinstance(dtype, str) else None
 
 
 def _class_names(data, key) -> list[str]:

@@ -29,7 +29,7 @@ from torch import nn
 
 from brickyard.data.augment import DROP_PATH, draw_seed
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, user_code_error
+from brickyard.errors import BrickyardError, DataError, user_code_error
 from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import is_classification
@@ -41,7 +41,12 @@ from brickyard.training.run import StepResult
 def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
     """``(outputs, targets) -> summed loss``: cross-entropy by default, else ``loss_fn``'s mean times the batch."""
     if loss_fn is None:
-        return lambda out, y: F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=label_smoothing)
+        def cross_entropy_sum(out, y):
+            try:
+                return F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=label_smoothing)
+            except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
+                raise DataError(outside_classes(out, y)) from e
+        return cross_entropy_sum
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
     def loss_sum(out, y):
@@ -56,6 +61,15 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
             raise BrickyardError(f"loss_fn {name} must return the mean loss as a 0-dim tensor; it returned {shape}.")
         return loss.float() * len(y)
     return loss_sum
+
+
+def outside_classes(out: torch.Tensor, y: torch.Tensor) -> str:
+    """The sentence for a batch whose class labels the model's outputs do not cover."""
+    classes = out.shape[1] if out.dim() >= 2 else 1
+    bad = y[(y < 0) | (y >= classes)]
+    label = int(bad[0]) if bad.numel() else "?"
+    return (f"a batch holds label {label}, outside the model's {classes} classes 0..{classes - 1}: fix the "
+            "labels (Hugging Face marks unlabelled items -1) or widen the model's output.")
 
 
 class Totals:
