@@ -80,7 +80,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
                           "model set optim.lr (a number).")
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
-    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None)
+    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
+                     transforms=cfg.data)
     models.initialise(model, cfg.model.init)
     if cfg.model.whiten:
         models.whiten(model, data, type(model).__name__)

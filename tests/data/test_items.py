@@ -135,3 +135,32 @@ def test_unlabelled_items_are_one_sentence_before_training(tmp_path):
 
     with pytest.raises(DataError, match=r"^a batch holds label -1, outside the model's 3 classes 0\.\.2: fix the labels"):
         api.fit(_net(), Items(), run_dir=tmp_path / "items", overrides=RUN + ["train.epochs=1"])
+
+
+def test_pil_images_of_many_sizes_go_through_the_image_folders_transforms(tmp_path):
+    """Photos of many sizes and modes (a grey one among colour ones) batch: ``auto`` resizes small images to the
+    first one's size, as image folders do, and ``data.train_transforms`` applies as written. The random ones
+    draw from the loader's per-item seeds: the same weights with 0 and 1 loader workers."""
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (20 + i % 5, 24 + i % 3, 3), dtype=np.uint8)) for i in range(32)]
+    images[3] = images[3].convert("L")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    ds = datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(32)]}, features=features)
+
+    def run(name, *extra):
+        torch.manual_seed(0)
+        model = _net()
+        api.fit(model, ds, test_data=ds, run_dir=tmp_path / name, overrides=RUN + ["train.max_steps=4", "train.epochs=0", *extra])
+        return model, (tmp_path / name / "train.log").read_text()
+
+    _, log = run("auto")
+    assert "train_data: PIL images, read through the transforms [resize:20x24] (evaluation [resize:20x24])" in log
+    crops = ["data.train_transforms=[random_resized_crop:16, hflip]", "data.eval_transforms=[resize:16x16]"]
+    a, log = run("w0", *crops, "data.num_workers=0")
+    b, _ = run("w1", *crops, "data.num_workers=1")
+    assert "[random_resized_crop:16, hflip] (evaluation [resize:16x16])" in log
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(DataError, match=r"^inputs of different sizes meet in one batch \(3x2\d+x2\d+, 3x2\d+x2\d+.*\): end data.train_transforms"):
+        api.fit(_net(), ds, run_dir=tmp_path / "x", overrides=RUN + ["train.max_steps=1", "data.train_transforms=[hflip]", "data.num_workers=1"])

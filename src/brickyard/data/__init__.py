@@ -14,7 +14,7 @@ import torch
 from brickyard.data import cifar, idx, items
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.layout import channels_first, model_reads_channels_last
-from brickyard.data.imagefolder import imagefolder_bundle
+from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError, reason
 
@@ -96,7 +96,8 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
                       [bundle.classes[c] for c in keep] if bundle.classes else [])
 
 
-def from_user(train, val=None, test=None, num_classes: int | None = None, model=None, own_loss: bool = False) -> DataBundle:
+def from_user(train, val=None, test=None, num_classes: int | None = None, model=None, own_loss: bool = False,
+              transforms=None) -> DataBundle:
     """Wrap user data for ``brickyard.fit``: ``(inputs, labels)`` tensors or NumPy arrays (Keras's
     ``fit(x, y)``), or a Dataset of pairs (any ``len()`` and ``data[i]``; Hugging Face's dict items and PIL
     images are read as pairs: ``brickyard.data.items``).
@@ -107,7 +108,9 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     Integer labels are classes: ``num_classes`` is the largest label + 1 for tensors and, for a Dataset
     (whose labels are not all read up front), the width of ``model``'s output on the first sample, as
     Keras and Lightning need nothing either; float labels are regression targets, for a loss of the
-    user's (``own_loss``: a ``loss_fn`` or ``train_step``; the default cross-entropy takes class indices)."""
+    user's (``own_loss``: a ``loss_fn`` or ``train_step``; the default cross-entropy takes class indices).
+    ``transforms``: the data config (``train_transforms``, ``eval_transforms``) that datasets of PIL images
+    are read through, as image folders are; None reads them as they are."""
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0):
         raise DataError(f"num_classes: {num_classes!r} is not a whole number of classes.")
     names = ("train_data", "val_data", "test_data")
@@ -121,6 +124,14 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
             split.dataset, note, found = items.as_pairs(split.dataset, name)
             notes += [note] if note and split is first else []
             classes = classes or found
+    image = items.first_image(first.dataset) if transforms is not None and first.dataset is not None else None
+    if image is not None:  # PIL images: the image folders' transforms, so photos of many sizes batch
+        chosen = auto_transforms(transforms, image)
+        for split, specs in zip(splits, (chosen.train_transforms, chosen.eval_transforms, chosen.eval_transforms)):
+            if split is not None and split.dataset is not None:
+                split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])
+        notes.append(f"train_data: PIL images, read through the transforms [{', '.join(chosen.train_transforms)}] "
+                     f"(evaluation [{', '.join(chosen.eval_transforms)}]): data.train_transforms, data.eval_transforms")
     if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
         raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
                         f"give class indices (labels.long()) or pass loss_fn for a regression.")

@@ -11,7 +11,10 @@
   a float model cannot take. Image columns stay uint8 there (the PIL image is converted before that rule).
 - **PIL images** (such a dataset without a format, or a ``(PIL image, label)`` Dataset of the user's) are
   read as uint8 C x H x W: one channel for grey and 16-bit images, three for the others, as image folders
-  read them (``imagefolder.as_uint8``).
+  read them (``imagefolder.as_uint8``), then through ``data.train_transforms`` / ``data.eval_transforms``
+  as an image folder's files are (``auto``: small images at the first one's size, photos cropped to 224),
+  so photos of many sizes batch; the random ones draw from the loader's per-item seed, so a resumed run
+  reads the same crops.
 
 Any object with ``__len__`` and integer ``__getitem__`` is a dataset here, as it is for torch's
 ``DataLoader``: a Hugging Face ``Dataset`` is not a ``torch.utils.data.Dataset``, and a list of pairs is a
@@ -19,6 +22,7 @@ dataset too.
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,6 +30,7 @@ import torch
 from PIL import Image
 
 from brickyard.data.imagefolder import GREY, as_uint8
+from brickyard.data.transforms import Pipeline
 from brickyard.errors import DataError
 
 INPUT_KEYS = ("pixel_values", "image", "img", "images", "input", "inputs", "x")
@@ -48,18 +53,26 @@ def is_dataset(data) -> bool:
 class Pairs(torch.utils.data.Dataset):
     """``data``'s items as ``(input, label)``: ``item[input_key]``, ``item[label_key]`` (keys or indices),
     PIL images and NumPy arrays as tensors; with ``channels_first``, H x W x C inputs as C x H x W; with
-    ``uint8``, integer inputs as uint8 (for a column the data set stores as uint8)."""
+    ``uint8``, integer inputs as uint8 (for a column the data set stores as uint8); with ``pipeline``, PIL
+    images through it. A key is an index or, with a pipeline, ``(index, seed)`` (``seeded``, as the image
+    folders' keys are): its random transforms draw from ``random.Random(seed)``."""
 
-    def __init__(self, data, input_key=0, label_key=1, channels_first: bool = False, uint8: bool = False):
+    def __init__(self, data, input_key=0, label_key=1, channels_first: bool = False, uint8: bool = False,
+                 pipeline: Pipeline | None = None):
         self.data, self.input_key, self.label_key = data, input_key, label_key
-        self.channels_first, self.uint8 = channels_first, uint8
+        self.channels_first, self.uint8, self.pipeline = channels_first, uint8, pipeline
+        self.seeded = pipeline is not None
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, i):
+    def __getitem__(self, key):
+        i, rng = (key[0], random.Random(key[1])) if isinstance(key, tuple) else (key, random)
         item = self.data[i]
-        x = as_input(item[self.input_key])
+        raw = item[self.input_key]
+        x = as_input(raw)
+        if self.pipeline is not None and isinstance(raw, Image.Image):
+            return self.pipeline(x, rng), item[self.label_key]
         if self.channels_first and isinstance(x, torch.Tensor) and x.dim() == 3:
             x = x.permute(2, 0, 1)
         if self.uint8 and isinstance(x, torch.Tensor) and x.dtype != torch.uint8 and not x.is_floating_point():
@@ -82,7 +95,8 @@ def as_input(x):
 def read_channels_first(data) -> torch.utils.data.Dataset:
     """``data`` (a dataset of pairs) with its H x W x C inputs read as C x H x W."""
     if isinstance(data, Pairs):
-        return Pairs(data.data, data.input_key, data.label_key, channels_first=True, uint8=data.uint8)
+        return Pairs(data.data, data.input_key, data.label_key, channels_first=True, uint8=data.uint8,
+                     pipeline=data.pipeline)
     return Pairs(data, channels_first=True)
 
 
@@ -110,6 +124,23 @@ def as_pairs(data, name: str) -> tuple[torch.utils.data.Dataset, str | None, lis
     if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Image.Image):
         return Pairs(data, 0, 1), f"{name}: PIL images, read as uint8 tensors", []
     return data, None, []
+
+
+def with_transforms(data, specs, channels: int):
+    """``data`` (what ``as_pairs`` gave) with its PIL images read through the transforms ``specs``; other
+    datasets as they are."""
+    if not (isinstance(data, Pairs) and len(data) and isinstance(data.data[0][data.input_key], Image.Image)):
+        return data
+    return Pairs(data.data, data.input_key, data.label_key, data.channels_first, data.uint8, Pipeline(specs, channels))
+
+
+def first_image(data) -> torch.Tensor | None:
+    """The first item's input as uint8 C x H x W where ``data`` (what ``as_pairs`` gave) holds PIL images."""
+    if isinstance(data, Pairs) and len(data):
+        raw = data.data[0][data.input_key]
+        if isinstance(raw, Image.Image):
+            return as_input(raw)
+    return None
 
 
 def _check_labels(data, key, name: str) -> None:

@@ -107,7 +107,7 @@ class StreamLoader:
                  prefetch: int = 2, pin_memory: bool = True, collate_fn=None):
         self.plan, self.device = plan, device
         self.sampler = _PlanSampler(plan, getattr(split.dataset, "seeded", False))
-        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=collate_fn)
+        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=collate_fn or collate)
         if num_workers > 0:
             kwargs.update(prefetch_factor=prefetch, persistent_workers=True)
         self.loader = torch.utils.data.DataLoader(split.as_dataset(), batch_sampler=self.sampler, **kwargs)
@@ -121,6 +121,18 @@ class StreamLoader:
 
     def close(self):
         del self.loader
+
+
+def collate(items):
+    """torch's ``default_collate``, and one sentence where inputs of different sizes cannot be stacked
+    (photos of many sizes through transforms that do not end at a fixed size)."""
+    shapes = {tuple(item[0].shape) for item in items if isinstance(item, (tuple, list)) and isinstance(item[0], torch.Tensor)}
+    if len(shapes) > 1:  # checked before: in a worker, torch's own error is "Trying to resize storage that is not resizable"
+        sizes = sorted("x".join(map(str, shape)) for shape in shapes)
+        raise DataError(f"inputs of different sizes meet in one batch ({', '.join(sizes[:3])}{', ...' if len(sizes) > 3 else ''}): "
+                        "end data.train_transforms and data.eval_transforms with a fixed size (resize:HxW, center_crop:S, "
+                        "random_resized_crop:S), or give inputs of one size.")
+    return torch.utils.data.default_collate(items)
 
 
 def _clean_errors(iterable):
@@ -216,6 +228,6 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
         keys = [(i, i) for i in keys]
     subset = torch.utils.data.Subset(split.dataset, keys)
     workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers)
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, collate_fn=collate)
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)
