@@ -169,3 +169,18 @@ def test_every_command_has_help_and_bad_flags_are_one_line():
         r = run_cli(*argv)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: brickyard") and not r.stdout, (argv, r.stderr)
+
+
+def test_run_says_when_its_own_options_follow_the_script(tmp_path):
+    """Options after the script are the script's (torchrun's rule), so `brickyard run script.py --devices cpu:2`
+    runs one process; a note says where the option went, and the script still gets its arguments."""
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nprint('args', sys.argv[1:], 'world', os.environ.get('WORLD_SIZE'))\n")
+    r = run_cli("run", str(script), "--devices", "cpu:2", "--epochs=3")
+    assert r.returncode == 0, r.stderr
+    assert "args ['--devices', 'cpu:2', '--epochs=3'] world 1" in r.stdout
+    assert (f"note: --devices after {script} went to the script; brickyard run's own options come before it "
+            f"(brickyard run --devices ... {script} ...)") in r.stderr
+    r = run_cli("run", "--devices", "cpu:2", str(script), "--epochs=3")
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+    assert "args ['--epochs=3'] world 2" in r.stdout

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from brickyard.errors import BrickyardError
 from brickyard.launch import torchrun as launch
@@ -27,7 +28,14 @@ def add(sub) -> None:
     ru.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
 
+OWN = ("--devices", "--run-dir", "--log-dir", "--max-restarts", "--nnodes", "--node-rank", "--master", "--timeout")
+
+
 def run(args) -> int:
     if args.max_restarts < 0 or args.timeout < 1:
         raise BrickyardError("--max-restarts must be at least 0 and --timeout at least 1.")
+    misplaced = [a.partition("=")[0] for a in args.script_args if a.partition("=")[0] in OWN]
+    if misplaced:  # torchrun's rule too; said, not refused: a script may have a --devices of its own
+        print(f"note: {', '.join(misplaced)} after {args.script} went to the script; brickyard run's own options come "
+              f"before it (brickyard run {misplaced[0]} ... {args.script} ...)", file=sys.stderr)
     return launch.launch_script(args)
