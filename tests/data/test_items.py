@@ -11,7 +11,7 @@ from PIL import Image
 from brickyard import api, predict
 from brickyard.training import checkpoint
 from brickyard.data import from_user
-from brickyard.errors import DataError
+from brickyard.errors import ConfigError, DataError
 
 RUN = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.plots=false", "train.tensorboard=false",
        "data.batch_size=8"]
@@ -162,5 +162,17 @@ def test_pil_images_of_many_sizes_go_through_the_image_folders_transforms(tmp_pa
     assert "[random_resized_crop:16, hflip] (evaluation [resize:16x16])" in log
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
-    with pytest.raises(DataError, match=r"^inputs of different sizes meet in one batch \(3x2\d+x2\d+, 3x2\d+x2\d+.*\): end data.train_transforms"):
-        api.fit(_net(), ds, run_dir=tmp_path / "x", overrides=RUN + ["train.max_steps=1", "data.train_transforms=[hflip]", "data.num_workers=1"])
+    with pytest.raises(ConfigError, match=r"^data.train_transforms must end in a fixed size .* e.g. resize:20x24 \(the first"):
+        api.fit(_net(), ds, run_dir=tmp_path / "x", overrides=RUN + ["train.max_steps=1", "data.train_transforms=[hflip]"])
+    assert not (tmp_path / "x").exists()
+
+    class Sized(torch.utils.data.Dataset):  # tensors of many sizes, which brickyard does not transform
+        def __len__(self):
+            return len(images)
+
+        def __getitem__(self, i):
+            return torch.from_numpy(np.array(images[i].convert("RGB")).transpose(2, 0, 1).copy()), i % 2
+
+    with pytest.raises(DataError, match=r"^inputs of different sizes meet in one batch \(3x2\d+x2\d+, 3x2\d+x2\d+.*\): end "
+                                        r"data.train_transforms"):  # in a worker torch said "Trying to resize storage ..."
+        api.fit(_net(), Sized(), run_dir=tmp_path / "y", overrides=RUN + ["train.max_steps=1", "data.num_workers=1"])

@@ -14,7 +14,7 @@ import torch
 from brickyard.data import cifar, idx, items
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.layout import channels_first, model_reads_channels_last
-from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle
+from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle, output_sizes
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError, reason
 
@@ -127,6 +127,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     image = items.first_image(first.dataset) if transforms is not None and first.dataset is not None else None
     if image is not None:  # PIL images: the image folders' transforms, so photos of many sizes batch
         chosen = auto_transforms(transforms, image)
+        output_sizes(chosen, image)  # one sentence up front where they do not end in a fixed size
         for split, specs in zip(splits, (chosen.train_transforms, chosen.eval_transforms, chosen.eval_transforms)):
             if split is not None and split.dataset is not None:
                 split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])

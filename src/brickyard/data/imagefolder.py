@@ -340,15 +340,7 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     first = decode(files[0])
     channels = channels or first.shape[0]
     cfg = auto_transforms(cfg, first)
-    size = _output_size(cfg.eval_transforms)
-    if size is None:
-        raise ConfigError("data.eval_transforms must end in a fixed size (center_crop:S or resize:HxW) so images batch "
-                          "together.")
-    train_size = _output_size(cfg.train_transforms)
-    if train_size is None:
-        raise ConfigError(f"data.train_transforms must end in a fixed size (random_resized_crop:S, random_crop:S, center_crop:S or "
-                          f"resize:HxW) so images batch together, e.g. resize:{first.shape[1]}x{first.shape[2]} (the first "
-                          f"image's size).")
+    size, train_size = output_sizes(cfg, first)
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)
     val = None
@@ -380,6 +372,21 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     return DataBundle("imagefolder", Split(dataset=train), val, test,
                       len(classes), channels, size, tuple(mean), tuple(std), classes,
                       train_size=train_size if train_size != size else None)
+
+
+def output_sizes(cfg, first: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(evaluation size, training size) of the transforms in ``cfg`` (the data config, ``auto`` resolved);
+    one sentence where either does not end in a fixed size. ``first``: the first training image."""
+    size = _output_size(cfg.eval_transforms)
+    if size is None:
+        raise ConfigError("data.eval_transforms must end in a fixed size (center_crop:S or resize:HxW) so images batch "
+                          "together.")
+    train_size = _output_size(cfg.train_transforms)
+    if train_size is None:
+        raise ConfigError(f"data.train_transforms must end in a fixed size (random_resized_crop:S, random_crop:S, center_crop:S or "
+                          f"resize:HxW) so images batch together, e.g. resize:{first.shape[1]}x{first.shape[2]} (the first "
+                          f"image's size).")
+    return size, train_size
 
 
 def _output_size(transforms) -> tuple[int, int] | None:
