@@ -63,6 +63,11 @@ class Pairs(torch.utils.data.Dataset):
         self.channels_first, self.uint8, self.pipeline = channels_first, uint8, pipeline
         self.seeded = pipeline is not None
 
+    def but(self, **changes) -> "Pairs":
+        """The same reading with ``changes`` (``channels_first``, ``uint8``, ``pipeline``), the rest kept."""
+        kept = dict(channels_first=self.channels_first, uint8=self.uint8, pipeline=self.pipeline)
+        return Pairs(self.data, self.input_key, self.label_key, **{**kept, **changes})
+
     def __len__(self) -> int:
         return len(self.data)
 
@@ -95,8 +100,7 @@ def as_input(x):
 def read_channels_first(data) -> torch.utils.data.Dataset:
     """``data`` (a dataset of pairs) with its H x W x C inputs read as C x H x W."""
     if isinstance(data, Pairs):
-        return Pairs(data.data, data.input_key, data.label_key, channels_first=True, uint8=data.uint8,
-                     pipeline=data.pipeline)
+        return data.but(channels_first=True)
     return Pairs(data, channels_first=True)
 
 
@@ -115,7 +119,7 @@ def as_pairs(data, name: str) -> tuple[torch.utils.data.Dataset, str | None, lis
             raise DataError(f"{name}: items are dicts of {shown}; brickyard reads the input from the first of "
                             f"{', '.join(INPUT_KEYS)} and the label from the first of {', '.join(LABEL_KEYS)} (as Hugging "
                             f"Face data sets name them): rename the columns, or give (input, label) pairs.")
-        _check_labels(data, y_key, name)
+        _refuse_unlabelled(data, y_key, name)
         note = f"{name}: items are dicts; read {x_key!r} as the input and {y_key!r} as the label"
         uint8 = _stored_dtype(data, x_key) == "uint8"
         if uint8:
@@ -131,7 +135,7 @@ def with_transforms(data, specs, channels: int):
     datasets as they are."""
     if not (isinstance(data, Pairs) and len(data) and isinstance(data.data[0][data.input_key], Image.Image)):
         return data
-    return Pairs(data.data, data.input_key, data.label_key, data.channels_first, data.uint8, Pipeline(specs, channels))
+    return data.but(pipeline=Pipeline(specs, channels))
 
 
 def first_image(data) -> torch.Tensor | None:
@@ -143,7 +147,7 @@ def first_image(data) -> torch.Tensor | None:
     return None
 
 
-def _check_labels(data, key, name: str) -> None:
+def _refuse_unlabelled(data, key, name: str) -> None:
     """A Hugging Face data set's label column, read whole (Arrow, milliseconds for 60,000 rows): a
     negative label is one sentence before training. Hugging Face marks unlabelled items -1 (test splits
     published without their answers), which cross-entropy would meet as "Target -1 is out of bounds" at
