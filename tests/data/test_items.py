@@ -1,6 +1,7 @@
 """Datasets of other items than (tensor, label) pairs: Hugging Face ``datasets`` (a real ``datasets.Dataset``,
 made offline from PIL images, with and without ``with_format("torch")``), dict items of other names, PIL
 images, a list of pairs. Pinned: fp32, one thread, a few steps."""
+import io
 import json
 
 import numpy as np
@@ -176,3 +177,21 @@ def test_pil_images_of_many_sizes_go_through_the_image_folders_transforms(tmp_pa
     with pytest.raises(DataError, match=r"^inputs of different sizes meet in one batch \(3x2\d+x2\d+, 3x2\d+x2\d+.*\): end "
                                         r"data.train_transforms"):  # in a worker torch said "Trying to resize storage ..."
         api.fit(_net(), Sized(), run_dir=tmp_path / "y", overrides=RUN + ["train.max_steps=1", "data.num_workers=1"])
+
+
+def test_an_image_that_does_not_decode_is_one_sentence(tmp_path):
+    """A Hugging Face Image column holding bytes that are no image: the item is named, in a loader worker too
+    (it was PIL's UnidentifiedImageError with the worker's traceback)."""
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets not installed (the [hf] extra)")
+    images, labels = _photos(16)
+    stored = []
+    for im in images:
+        out = io.BytesIO()
+        im.save(out, "PNG")
+        stored.append({"bytes": out.getvalue(), "path": None})
+    stored[5] = {"bytes": b"not a PNG, whatever the name says", "path": "cat.png"}
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"img": stored, "label": labels}, features=features)
+    with pytest.raises(DataError, match=r"^item 5's image is unreadable or truncated \(UnidentifiedImageError: cannot identify "
+                                        r"image file .*\); fix or drop it"):
+        api.fit(_net(), ds, run_dir=tmp_path / "r", overrides=RUN + ["train.epochs=1", "data.num_workers=1"])

@@ -27,9 +27,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
-from brickyard.data.imagefolder import GREY, as_uint8
+from brickyard.data.imagefolder import GREY, as_uint8, why_bad
 from brickyard.data.transforms import Pipeline
 from brickyard.errors import DataError
 
@@ -73,9 +73,15 @@ class Pairs(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         i, rng = (key[0], random.Random(key[1])) if isinstance(key, tuple) else (key, random)
-        item = self.data[i]
-        raw = item[self.input_key]
-        x = as_input(raw)
+        try:  # a Hugging Face Image column decodes here, a lazily loaded PIL image in as_input
+            item = self.data[i]
+            raw = item[self.input_key]
+            x = as_input(raw)
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as e:
+            if isinstance(e, OSError) and not isinstance(e, UnidentifiedImageError) and "truncated" not in str(e):
+                raise  # not a decode failure (a file the data set itself reads): the loader says it
+            raise DataError(f"item {i:,}'s image is unreadable or truncated ({why_bad(e)}); fix or drop it (a Hugging "
+                            f"Face data set: ds.filter) before training.") from None
         if self.pipeline is not None and isinstance(raw, Image.Image):
             return self.pipeline(x, rng), item[self.label_key]
         if self.channels_first and isinstance(x, torch.Tensor) and x.dim() == 3:
