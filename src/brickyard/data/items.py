@@ -7,7 +7,8 @@
   (``dataset.features[key].names``), so ``predict`` and the plots name classes. An input column stored as
   uint8 arrays (``Array3D(..., "uint8")``, lists of ``Value("uint8")``) is read as uint8, and so scaled to
   [0, 1] as images are: the torch and NumPy formats widen every integer to int64
-  (``datasets/formatting/torch_formatter.py`` and ``np_formatter.py``, ``_tensorize``, datasets 5.2), which
+  (``datasets/formatting/torch_formatter.py`` lines 59-65 and ``np_formatter.py`` lines 59-60,
+  ``_tensorize``, datasets 5.2.0 as installed by the ``[hf]`` extra), which
   a float model cannot take. Image columns stay uint8 there (the PIL image is converted before that rule).
 - **PIL images** (such a dataset without a format, or a ``(PIL image, label)`` Dataset of the user's) are
   read as uint8 C x H x W: one channel for grey and 16-bit images, three for the others, as image folders
