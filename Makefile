@@ -21,8 +21,8 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/brickyard train
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15
+test: $(VENV)/.installed  ## the suite, on one worker process a core (at most 4: tests/conftest.py)
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 bench: $(VENV)/.installed  ## overhead, time to 99% and the course recipe (docs/benchmarks.md), about 8 minutes on 2 cores
 	$(PY) benchmarks/overhead.py
