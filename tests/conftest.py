@@ -33,6 +33,7 @@ ACROSS_ORDERS = 5e-4
 BENCH = [s for s in SYNTH if not s.startswith("train.threads")]
 
 
+@pytest.hookimpl(optionalhook=True)  # plain pytest, without xdist, runs the suite too
 def pytest_xdist_auto_num_workers(config):
     """``make test`` runs ``pytest -n auto`` (pytest-xdist): one worker process a core this process may use,
     at most 4. Most tests wait on processes of their own (torch's import, a rendezvous, a timeout) or train on
