@@ -81,6 +81,17 @@ def test_the_command_line_starts_without_torch():
     assert out == "False"
 
 
+def test_the_suite_runs_with_and_without_pytest_xdist():
+    """``make test`` runs ``pytest -n auto``; plain ``pytest`` without the plugin must still take the conftest
+    (a hook of xdist's that is not marked optional stops pytest before any test: "unknown hook")."""
+    tests = Path(__file__).resolve().parent
+    for plugin in (["-p", "no:xdist"], ["-n", "auto"]):
+        r = subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "--collect-only", "-q",
+                            str(tests / "optim" / "test_optim.py")], capture_output=True, text=True, cwd=tests.parent)
+        assert r.returncode == 0, (plugin, r.stdout[-2000:], r.stderr[-2000:])
+        assert "test_optim.py::" in r.stdout
+
+
 def test_tests_mirror_the_package():
     tests = Path(__file__).resolve().parent
     folders = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
