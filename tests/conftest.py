@@ -40,9 +40,10 @@ def pytest_xdist_auto_num_workers(config):
     one thread, so on 2 cores two workers take the suite from 40 to 25 minutes (AMD EPYC, AVX2 only); past
     4, the tests that launch 2-3 processes each would crowd the cores their timeouts are measured on.
     Run directories, ports, network namespaces and Slurm clusters are each test's own; what the workers
-    share ($BRICKYARD_CACHE: precision measurements, decoded images) is written atomically, as for two
+    share ($BRICKYARD_CACHE: decoded data sets, precision measurements) is written atomically, as for two
     users at once."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
+    return max(1, min(4, cores))
 
 
 def have_mnist() -> bool:

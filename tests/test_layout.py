@@ -1,6 +1,7 @@
 """The package's shape: no import cycles between modules, imports at the top (the lazy ones say why),
 and a command line that starts without torch."""
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_the_suite_runs_with_and_without_pytest_xdist():
     """``make test`` runs ``pytest -n auto``; plain ``pytest`` without the plugin must still take the conftest
     (a hook of xdist's that is not marked optional stops pytest before any test: "unknown hook")."""
     tests = Path(__file__).resolve().parent
-    for plugin in (["-p", "no:xdist"], ["-n", "auto"]):
+    for plugin in (["-p", "no:xdist"], ["-n", "auto"] if importlib.util.find_spec("xdist") else []):
         r = subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "--collect-only", "-q",
                             str(tests / "optim" / "test_optim.py")], capture_output=True, text=True, cwd=tests.parent)
         assert r.returncode == 0, (plugin, r.stdout[-2000:], r.stderr[-2000:])
