@@ -150,7 +150,7 @@ class TrainConfig:
     device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
     channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
-    compile: Union[bool, str] = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 10,000 steps, never on CPUs (see docs/training.md)")
+    compile: Union[bool, str] = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 15,000 steps, never on CPUs (see docs/training.md)")
     activation_checkpointing: Union[tuple, str] = _opt((), choices_str=("auto",), names=True, doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")

@@ -75,18 +75,19 @@ def resolve_channels_last(value, precision: str, device: torch.device) -> bool:
 
 
 COMPILE_MIN_PARAMS = 5_000_000  # ResNet-18 (11.7M), ResNet-50, VGG16, ViT-S; not the MNIST nets (30k-430k)
-COMPILE_MIN_STEPS = 10_000
+COMPILE_MIN_STEPS = 15_000
 
 
 def resolve_compile(value, device: torch.device, n_params: int, steps: int) -> bool:
     """``train.compile``. ``auto`` compiles where compilation can pay for itself: on CUDA, for a model of
-    at least 5M parameters, in a run of at least 10,000 steps. Never on CPUs: compiled small nets ran
-    slower there (docs/benchmarks.md, "Tried and dropped"). The step threshold was 1,000 until a measurement:
-    ResNet-50 at batch 128 (224 px, bf16, H200) trained 1,000 steps in 68.1 s compiled against 33.9 s eager,
-    so compiling cost more than 34 s that a thousand 34 ms steps did not earn back; if compiled steps are a
-    fifth faster it pays after about 5,000 steps, and 10,000 keeps a margin (docs/benchmarks.md, "GPU").
-    Why not measure per run: a trial compile costs the tens of seconds it is meant to save, so the
-    answer could only come too late; ``benchmarks/gpu_check.sh`` times compiled against eager instead."""
+    at least 5M parameters, in a run of at least 15,000 steps. Never on CPUs: compiled small nets ran
+    slower there (docs/benchmarks.md, "Tried and dropped"). The threshold is measured
+    (``benchmarks/gpu_check.sh``, ResNet-50 at batch 128, 224 px, bf16, H200, 2026-11-26): a pass of 32
+    steps took 0.97 s eager and 0.85 s compiled (1.15x), and compiling cost 44 s more than eager's first
+    pass, so compiling pays after about 11,400 steps; 15,000 keeps a margin for the spread of compiled
+    steps (0.70-1.04 s a pass). It was 1,000, then 10,000 (below break-even) before the steady speeds were
+    read apart from the compile time. Why not measure per run: a trial compile costs the tens of seconds
+    it is meant to save, so the answer could only come too late."""
     if value == "auto":
         return device.type == "cuda" and n_params >= COMPILE_MIN_PARAMS and steps >= COMPILE_MIN_STEPS
     return bool(value)
