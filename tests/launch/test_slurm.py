@@ -5,12 +5,15 @@ Pinned: fp32, one thread per process, the same global batch on 1 and 2 processes
 where a test waits for a timeout. Skipped, with the reason, where Slurm is not installed or not root.
 """
 import json
+import os
 import re
 import shlex
+import shutil
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,6 +160,14 @@ def test_brickyard_in_a_batch_script_without_srun_says_to_use_srun_or_devices(cl
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 1
 
 
+def _scripts() -> str:
+    """The folder of the `brickyard` command installed beside this Python (a venv's bin, wherever it is)."""
+    here = Path(sys.executable).parent
+    found = shutil.which("brickyard", path=f"{here}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert found, "no `brickyard` command beside this Python or on PATH: pip install -e . first"
+    return str(Path(found).parent)
+
+
 def test_the_readme_sbatch_script_works_as_written(cluster, tmp_path):
     readme = (ROOT / "README.md").read_text()
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S).group(1)
@@ -164,7 +175,7 @@ def test_the_readme_sbatch_script_works_as_written(cluster, tmp_path):
     script = script.replace("brickyard train mnist", "brickyard train mnist " + " ".join(sets(*SAME)))
     (tmp_path / "job.sh").write_text(script)
     job = cluster.run(["sbatch", "--wait", "-o", str(tmp_path / "job.out"), str(tmp_path / "job.sh")], cwd=tmp_path,
-                      timeout=300, env={"PATH": f"{ROOT / '.venv' / 'bin'}:{cluster.env['PATH']}"})
+                      timeout=300, env={"PATH": f"{_scripts()}:{cluster.env['PATH']}"})
     out = (tmp_path / "job.out").read_text()
     assert job.returncode == 0, out[-3000:]
     run = next((tmp_path / "runs").iterdir())
