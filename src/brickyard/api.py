@@ -151,7 +151,11 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: st
     data = build_data(cfg.data)
     part = getattr(data, split)
     if part is None:
-        raise ConfigError(f"--split {split}: this data set has no {split} split (data.train_on_all is on?).")
+        have = ", ".join(s for s in ("train", "val", "test") if getattr(data, s) is not None)
+        why = ("data.train_on_all trained on the validation images" if split == "val" and cfg.data.train_on_all
+               else f"{cfg.data.root} has no {split}/ folder" if cfg.data.name == "imagefolder" and split != "train"
+               else f"{cfg.data.name} has none")
+        raise ConfigError(f"--split {split}: this run's data has no {split} split ({why}); it has {have}.")
     if tta != "none" and not data.is_images:
         raise ConfigError(f"--tta {tta} moves and mirrors images (N x C x H x W); this data set's inputs are not images.")
     d = dev.resolve_device(device)

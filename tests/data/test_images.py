@@ -129,6 +129,29 @@ def test_linked_folders_are_read_once_and_hidden_ones_not_at_all(tmp_path):
     assert not any("checkpoint" in str(f) or "/up/" in str(f) for f in files), files
 
 
+def test_what_windows_and_macos_leave_in_a_photo_folder_is_left_out_and_other_files_are_still_named(tmp_path):
+    """Windows Explorer's Thumbs.db and desktop.ini (hidden by attribute there, not by a dot) and the __MACOSX folder
+    of a zip made on a Mac are left out, as .DS_Store is; any other file that is not an image is still an error."""
+    from brickyard.data.imagefolder import scan
+    root = tmp_path / "train"
+    for c in ("cat", "dog"):
+        for i in range(2):
+            _png(root / c / f"IMG_{i}.PNG", np.zeros((4, 4), np.uint8))
+    (root / "cat" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+    (root / "dog" / "desktop.ini").write_text("[.ShellClassInfo]")
+    (root / "dog" / "sub").mkdir()
+    (root / "dog" / "sub" / "THUMBS.DB").write_bytes(b"\0")
+    (root / "__MACOSX" / "cat").mkdir(parents=True)
+    (root / "__MACOSX" / "cat" / "._IMG_0.PNG").write_bytes(b"\0\5\26\7")
+    (root / "dog" / "__MACOSX").mkdir()
+    (root / "dog" / "__MACOSX" / "._IMG_1.PNG").write_bytes(b"\0\5\26\7")
+    files, labels, classes = scan(root)
+    assert classes == ["cat", "dog"] and labels == [0, 0, 1, 1], files
+    (root / "dog" / "sub" / "notes.txt").write_text("taken in May")
+    with pytest.raises(DataError, match=r"notes.txt is not an image file \(extension .txt\)"):
+        scan(root)
+
+
 def test_train_on_all_on_an_image_folder_leaves_val_unread_and_refuses_a_val_fraction(tmp_path):
     root = tmp_path / "pics"
     for split, n in (("train", 4), ("val", 2)):
@@ -308,3 +331,17 @@ def test_random_crops_are_the_same_on_any_number_of_processes_and_after_a_resume
     assert {s["step"] for s in final.values()} == {6}
     for other in ("three", "resumed"):
         assert max((final["one"]["model"][k] - final[other]["model"][k]).abs().max().item() for k in final["one"]["model"]) < 1e-6
+
+
+def test_eval_of_a_split_the_folder_lacks_names_the_folder_and_the_splits_it_has(tmp_path):
+    root = tmp_path / "pics"
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            for i in range(2):
+                _png(root / split / c / f"{i}.png", (np.random.rand(12, 10) * 255).astype(np.uint8))
+    api.train_config(load_config("mnist", IF + [f"data.root={root}", "train.max_steps=1", "train.threads=1",
+                                                "train.plots=false", "train.tensorboard=false"]), tmp_path / "r")
+    r = run_cli("eval", str(tmp_path / "r"), "--split", "test")
+    assert r.returncode == 2 and r.stderr.strip() == \
+        f"error: --split test: this run's data has no test split ({root} has no test/ folder); it has train, val.", r.stderr
+    assert json.loads(run_cli("eval", str(tmp_path / "r"), "--split", "val").stdout)["accuracy"] is not None

@@ -33,6 +33,15 @@ from brickyard.data.transforms import NAMED_STATS, Pipeline, random_crop_arg, to
 from brickyard.errors import ConfigError, DataError
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+# What operating systems leave in a folder of photos, left out as hidden files are: Windows Explorer's thumbnail
+# caches and folder settings (hidden by attribute there, not by a dot), and the folder of resource forks that
+# macOS's Archive Utility puts in a zip (``__MACOSX``, beside the folders it holds)
+LEFT_OUT_FILES = {"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini"}
+LEFT_OUT_FOLDERS = {"__MACOSX"}
+
+
+def _kept(name: str, folder: bool = False) -> bool:
+    return not name.startswith(".") and (name not in LEFT_OUT_FOLDERS if folder else name.lower() not in LEFT_OUT_FILES)
 
 
 GREY = ("L", "1", "I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # decoded to one channel
@@ -81,7 +90,8 @@ def decode(path: Path) -> torch.Tensor:
 
 def files_under(top: Path) -> list[Path]:
     """The files under class folder ``top``, sorted, hidden files and folders left out (``.DS_Store``,
-    Jupyter's ``.ipynb_checkpoints`` copies). Links to folders are followed, as torchvision's ``ImageFolder``
+    Jupyter's ``.ipynb_checkpoints`` copies), and Windows' ``Thumbs.db`` and ``desktop.ini`` and macOS's
+    ``__MACOSX`` (``LEFT_OUT_FILES``, ``LEFT_OUT_FOLDERS``). Links to folders are followed, as torchvision's ``ImageFolder``
     does (``make_dataset`` in ``torchvision/datasets/folder.py`` walks each class with ``os.walk(target_dir,
     followlinks=True)``), so a class assembled from linked folders is read whole whatever the Python version
     (``Path.rglob`` left them out), and each real folder is read once: a link back up the tree is not a loop."""
@@ -96,15 +106,15 @@ def files_under(top: Path) -> list[Path]:
             dirs[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        out += [Path(root) / n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+        dirs[:] = sorted(d for d in dirs if _kept(d, folder=True))
+        out += [Path(root) / n for n in names if _kept(n) and os.path.isfile(os.path.join(root, n))]
     return sorted(out)
 
 
 def scan(folder: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:
     if not folder.is_dir():
         raise DataError(f"image folder {folder} does not exist.")
-    found = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    found = sorted(d.name for d in folder.iterdir() if d.is_dir() and _kept(d.name, folder=True))
     if not found:
         raise DataError(f"{folder} has no class folders; expected {folder}/<class>/<image files>.")
     if classes is None:
