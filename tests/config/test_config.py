@@ -85,7 +85,10 @@ def test_unknown_preset_and_missing_file(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML \(line 2, column 1: expected ',' or '\]'"):
+        load_config(str(bad))
+    bad.write_text("optim:\n\tlr: 0.1\n")  # a tab where YAML wants spaces: the line and the fix
+    with pytest.raises(ConfigError, match=r"line 2, column 1: found character '\\t' .*; YAML indents with spaces, not tabs\)\.$"):
         load_config(str(bad))
 
 

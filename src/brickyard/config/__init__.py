@@ -54,6 +54,16 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's problem and where it is (``line 2, column 1: found character '\\t' ...``), with the fix for
+    the commonest one, a tab (YAML indents with spaces); its first line where it gives no position."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return str(e).splitlines()[0]
+    tab = "; YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{tab}"
+
+
 def parse_yaml(text: str, where: str):
     """``yaml.safe_load`` with the bounds of ``bounded``; a syntax error, a key written twice in one
     mapping or a nesting that overflows the parser is a ``ConfigError`` naming ``where``."""
@@ -63,7 +73,7 @@ def parse_yaml(text: str, where: str):
     try:
         return bounded(yaml.load(text, Loader=loader), where)  # noqa: S506  a SafeLoader
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]}).") from None
+        raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(e)}).") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.") from None
 
