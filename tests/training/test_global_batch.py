@@ -91,3 +91,28 @@ def test_max_steps_and_stop_epoch_end_a_run_without_reshaping_its_schedule(tmp_p
     assert max(rates["steps"]) == max(rates["epoch"]) == 16 and max(rates["whole"]) == 64
     assert rates["steps"] == rates["epoch"] == {s: lr for s, lr in rates["whole"].items() if s <= 16}
     assert rates["steps"][16] > 0.5 * 0.05  # a quarter into a cosine: far from annealed
+
+
+def test_eval_limit_reads_the_same_first_images_on_any_world_size_and_says_so(one, tmp_path):
+    """data.eval_limit=50 of 128: validation and test read the first 50 images on 1 and on 3 processes
+    (17-17-16, and 3-3-2 batches of 8, so the third rank's share is a batch short), the summary and the log
+    say how many, training is untouched, and `brickyard eval` reads the whole split."""
+    limited = SAME + ["data.eval_limit=50", "data.eval_batch_size=8"]
+    api.train_config(load_config("mnist", limited), tmp_path / "one")
+    r = run_cli("train", "mnist", *sets(*limited), "--devices", "cpu:3", "--run-dir", str(tmp_path / "three"))
+    assert r.returncode == 0, r.stderr
+    assert "on the first 50 test images (data.eval_limit)" in r.stdout
+    s1, s3 = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "three"))
+    assert s1["test_images"] == s3["test_images"] == 50 and s1["eval_limit"] == 50
+    assert abs(s1["test_loss"] - s3["test_loss"]) < 1e-4 and s1["test_accuracy"] == s3["test_accuracy"]
+    vals = [[row for row in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "val"]
+            for n in ("one", "three")]
+    assert len(vals[0]) == len(vals[1]) >= 1 and all(abs(a["loss"] - b["loss"]) < 1e-4 for a, b in zip(*vals))
+    log = (tmp_path / "one" / "train.log").read_text()
+    assert "data.eval_limit: validation and test read the first 50 images of each split only" in log
+    assert "(the first 50 of 128 images)" in log
+    assert _diff(_final(one), _final(tmp_path / "one")) == 0  # evaluation never changes what is trained
+    full = json.loads(run_cli("eval", str(tmp_path / "one")).stdout)
+    assert full["count"] == 128
+    whole = json.loads((one / "summary.json").read_text())
+    assert whole["test_images"] == 128 and "eval_limit" not in whole

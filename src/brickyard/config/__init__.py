@@ -135,7 +135,7 @@ MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.stop_epoch", "
                         "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
                         "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
                         "checkpoint.", "dist.timeout_s", "dist.strategy", "dist.fsdp.", "dist.grad_sync", "dist.backend",
-                        "train.activation_checkpointing", "data.num_workers", "data.prefetch", "data.pin_memory", "preset")
+                        "train.activation_checkpointing", "data.num_workers", "data.prefetch", "data.pin_memory", "data.eval_limit", "preset")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

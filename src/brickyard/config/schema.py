@@ -48,6 +48,7 @@ class DataConfig:
     global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
     batch_size: Union[int, str] = _opt(256, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")
     eval_batch_size: int = _opt(250, min=1)
+    eval_limit: int = _opt(0, min=0, doc="validate and test on the first N images of each split only (0 = all), as Lightning's limit_val_batches and limit_test_batches: a quick check of a recipe; the same images on any number of processes, and the log and summary.json say how many (`brickyard eval` reads the whole split)")
     train_on_all: bool = _opt(False, doc="train on every training image, no validation split: MNIST and Fashion-MNIST on 60,000, CIFAR on 50,000, an image folder without reading val/ (not with data.val_fraction)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
     num_workers: Union[int, str] = _opt("auto", min=0, max=256, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")

@@ -216,9 +216,16 @@ def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank:
     return StreamLoader(split, plan, device, workers, cfg.prefetch, cfg.pin_memory)
 
 
-def eval_batches(split: Split, batch_size: int, device: torch.device, world: int = 1, rank: int = 0, num_workers: int = 0):
-    """This rank's contiguous, unpadded share of ``split`` in batches: every sample counted once."""
-    mine = torch.arange(len(split)).tensor_split(world)[rank]
+def eval_count(split: Split, limit: int = 0) -> int:
+    """How many of ``split``'s samples an evaluation reads: the first ``limit`` (0: all)."""
+    return min(len(split), limit) if limit else len(split)
+
+
+def eval_batches(split: Split, batch_size: int, device: torch.device, world: int = 1, rank: int = 0, num_workers: int = 0,
+                 limit: int = 0):
+    """This rank's contiguous, unpadded share of ``split`` in batches: every sample counted once. ``limit``:
+    the first that many samples only (``data.eval_limit``; 0: all), shared out the same way."""
+    mine = torch.arange(eval_count(split, limit)).tensor_split(world)[rank]
     if split.images is not None:
         for chunk in mine.split(batch_size):
             yield split.images[chunk].to(device), split.labels[chunk].to(device)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from brickyard.data import Split
-from brickyard.data.loaders import eval_batches
+from brickyard.data.loaders import eval_batches, eval_count
 from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
 from brickyard.observe.metrics import EvalAccumulator
@@ -19,7 +19,8 @@ from brickyard.training import device as dev
 
 def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,
              num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
-             num_workers: int = 0, loss_sum=None, lockstep: bool = False, tta: str = "none", shift: int = 1) -> dict:
+             num_workers: int = 0, loss_sum=None, lockstep: bool = False, tta: str = "none", shift: int = 1,
+             limit: int = 0) -> dict:
     """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
     exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
     rank's misclassified raw images with true and predicted labels (host syncs; test time only).
@@ -27,7 +28,8 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     forward is a collective); the extra ones, on a batch already counted, are not counted again.
     ``tta``: test-time augmentation (``data.tta``): ``flip`` scores each image by the mean of its own and
     its mirror image's class probabilities; ``flip-shift`` adds both moved by ``shift`` pixels up, down,
-    left and right (10 views, zeros filled in as the training shifts do)."""
+    left and right (10 views, zeros filled in as the training shifts do). ``limit``: the first that many
+    samples of ``split`` only (``data.eval_limit``; 0: all)."""
     def forward(x):
         return model(prep(x)) if tta == "none" else tta_logits(model, prep(x), tta, shift)
 
@@ -36,14 +38,14 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     acc = EvalAccumulator(num_classes, device, loss_sum)
     errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
-        for x, y in eval_batches(split, batch_size, device, world, rank, num_workers):
+        for x, y in eval_batches(split, batch_size, device, world, rank, num_workers, limit):
             pred = acc.update(forward(x), y)
             done += 1
             if pred is not None and kept < keep_errors:
                 wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
                 errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
                 kept += len(wrong)
-        most = math.ceil(math.ceil(len(split) / world) / batch_size)  # the largest share is rank 0's
+        most = math.ceil(math.ceil(eval_count(split, limit) / world) / batch_size)  # the largest share is rank 0's
         if lockstep and done < most:
             spare = x if x is not None else next(eval_batches(split, 1, device))[0]
             for _ in range(done, most):
@@ -85,7 +87,8 @@ def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
         e = run._engine
         return evaluate(run.forward, split, e.prep, run.device, run.precision, c.data.eval_batch_size,
                         run.data.num_classes, e.data_world, run.rank, e.group, keep_errors,
-                        c.data.num_workers, e.eval_loss_sum, lockstep=e.sharded, tta=c.data.tta, shift=c.data.shift)
+                        c.data.num_workers, e.eval_loss_sum, lockstep=e.sharded, tta=c.data.tta, shift=c.data.shift,
+                        limit=c.data.eval_limit)
 
 
 def _fmt(r: dict, *keys) -> str:
@@ -105,11 +108,14 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         keep = 36 if run.is_main and cfg.train.plots and data.is_images else 0
         r = evaluate_split(run, data.test, keep)
         run.metrics = {k: v for k, v in r.items() if k != "errors"}
-        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"])
+        summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"], test_images=r["count"])
+        if r["count"] < len(data.test):
+            summary["eval_limit"] = cfg.data.eval_limit
         metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
             "loss", "accuracy", "top5", "per_class_accuracy", "confusion") if k in r})
         tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
-        run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip())
+        part = f" (the first {r['count']:,} of {len(data.test):,} images)" if r["count"] < len(data.test) else ""
+        run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip() + part)
         if run.is_main and "errors" in r:
             wrong_images, true, pred = r["errors"]
             errors = {"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),

@@ -303,6 +303,8 @@ def announce(run: Run, host: dev.Host, info, measured: dict | None = None) -> No
     log.info(f"model {run._engine.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
+    if cfg.data.eval_limit and any(s is not None and len(s) > cfg.data.eval_limit for s in (data.val, data.test)):
+        log.info(f"data.eval_limit: validation and test read the first {cfg.data.eval_limit:,} images of each split only")
     for note in data.notes:
         log.info(note)
     if cfg.model.whiten:
