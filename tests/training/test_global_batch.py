@@ -114,5 +114,9 @@ def test_eval_limit_reads_the_same_first_images_on_any_world_size_and_says_so(on
     assert _diff(_final(one), _final(tmp_path / "one")) == 0  # evaluation never changes what is trained
     full = json.loads(run_cli("eval", str(tmp_path / "one")).stdout)
     assert full["count"] == 128
+    part = json.loads(run_cli("eval", str(tmp_path / "one"), "--limit", "50").stdout)
+    assert part["count"] == 50 and abs(part["loss"] - s1["test_loss"]) < 1e-5  # the run's own test pass, read again
+    r = run_cli("eval", str(tmp_path / "one"), "--limit", "-3")
+    assert r.returncode == 2 and r.stderr == "error: --limit -3: give a number of images (0: the whole split).\n", r.stderr
     whole = json.loads((one / "summary.json").read_text())
     assert whole["test_images"] == 128 and "eval_limit" not in whole

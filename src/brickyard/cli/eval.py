@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from brickyard.errors import BrickyardError
+
 EXAMPLES = """examples:
   brickyard eval runs/mnist-20261121-120000/checkpoints/best.pt
   brickyard eval runs/a/checkpoints/step-0000782.pt --split val
   brickyard eval runs/a --tta flip-shift     # the best checkpoint, scored with its mirror and 1-pixel moves
+  brickyard eval runs/a --limit 1000         # the first 1,000 test images only: a quick look
 """
 
 
@@ -21,11 +24,15 @@ def add(sub) -> None:
                    help="test-time augmentation (default: the run's data.tta): flip averages each image's class "
                         "probabilities with its mirror's; flip-shift adds both moved data.shift pixels (1 where the "
                         "run had none) four ways")
+    e.add_argument("--limit", type=int, default=0, metavar="N",
+                   help="the first N images of the split only (default 0: all of it, whatever the run's data.eval_limit)")
 
 
 def run(args) -> int:
+    if args.limit < 0:
+        raise BrickyardError(f"--limit {args.limit}: give a number of images (0: the whole split).")
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard.api import evaluate_checkpoint
-    r = evaluate_checkpoint(args.checkpoint, args.split, args.device, args.tta)
+    r = evaluate_checkpoint(args.checkpoint, args.split, args.device, args.tta, args.limit)
     print(json.dumps(r))
     return 0
