@@ -120,3 +120,15 @@ def test_eval_limit_reads_the_same_first_images_on_any_world_size_and_says_so(on
     assert r.returncode == 2 and r.stderr == "error: --limit -3: give a number of images (0: the whole split).\n", r.stderr
     whole = json.loads((one / "summary.json").read_text())
     assert whole["test_images"] == 128 and "eval_limit" not in whole
+
+
+def test_the_last_line_says_what_the_test_accuracy_is_of(capsys):
+    from brickyard.observe.runlog import print_result
+    base = {"run_dir": "r", "steps": 2, "train_seconds": 1.0, "images_per_second": 10.0, "device": "cpu"}
+    for extra, shown in (({"test_accuracy": 0.5, "test_loss": 1.0, "test_images": 128}, "test accuracy: 0.5000 (2 steps"),
+                         ({"test_accuracy": 0.5, "test_loss": 1.0, "test_images": 50, "eval_limit": 50},
+                          "test accuracy: 0.5000 on the first 50 test images (data.eval_limit) (2 steps"),
+                         ({"test_accuracy": None, "test_loss": None}, "test accuracy: n/a (no test split) (2 steps"),
+                         ({"test_accuracy": None, "test_loss": 0.3}, "test accuracy: n/a (2 steps")):  # a loss, no classes
+        print_result({**base, **extra})
+        assert capsys.readouterr().out.splitlines()[-1].startswith(shown)

@@ -84,7 +84,7 @@ def env_record(device: torch.device, seed: int, world_size: int, extra: dict | N
 def print_result(summary: dict) -> None:
     """The two lines a finished `brickyard train` prints."""
     acc = summary.get("test_accuracy")
-    shown = f"{acc:.4f}" if acc is not None else "n/a"
+    shown = f"{acc:.4f}" if acc is not None else "n/a" if summary.get("test_loss") is not None else "n/a (no test split)"
     if acc is not None and summary.get("eval_limit"):
         shown += f" on the first {summary['test_images']:,} test images (data.eval_limit)"
     print(f"run dir: {summary['run_dir']}")
