@@ -13,6 +13,7 @@ from conftest import SYNTH, needs_mnist, run_cli, sets
     (["train", "--device", "gpu", *sets(*SYNTH)], "error: device 'gpu' is not one of auto, cpu, cuda, cuda:N"),
     (["train", *sets(*SYNTH, "train.precision=fp16")], "error: train.precision: 'fp16' needs a CUDA device"),
     (["train", *sets(*SYNTH, "model.name=resnet7")], "error: model.name: 'resnet7' is not one of"),
+    (["train", "--devices", "cpu:2", *sets(*SYNTH, "model.name=resnet7")], "error: model.name: 'resnet7' is not one of"),
     (["eval", "does-not-exist.pt"], "error: checkpoint does-not-exist.pt does not exist."),
     (["data", "info", "cifar"], "error: data set 'cifar' is not one of mnist, fashion-mnist, cifar10, cifar100."),
 ])
@@ -22,6 +23,7 @@ def test_bad_input_is_one_line_and_non_zero(args, expected, tmp_path):
     assert r.stderr.startswith(expected), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
+    assert "launching" not in r.stdout and not (tmp_path / "run").exists()  # said before any worker starts
 
 
 def test_a_folder_that_cannot_be_made_is_one_line(tmp_path):

@@ -66,6 +66,8 @@ def run(args) -> int:
         from brickyard.models import pretrained  # lazy: imports torch (cli/main.py: start-up time)
         pretrained.fetch(cfg.finetune.init_from)  # once, before the workers start: each then finds it in the cache
     if args.devices or launch.parse_nnodes(args.nnodes)[1] > 1:
+        from brickyard.models import check_name  # lazy: imports torch, which the launcher imports anyway
+        check_name(cfg.model.name)  # before the workers start: a mistyped name is one line in a second, not ten
         return launch.launch(args, cfg)
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard import api

@@ -39,13 +39,18 @@ def describe(name: str) -> str:
     return _REGISTRY[name][1]
 
 
+def check_name(name: str) -> None:
+    """A ``ConfigError`` unless ``name`` is a registered model."""
+    _load_all()
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.name: {name!r} is not one of {', '.join(_REGISTRY)}.")
+
+
 def create(name: str, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28),
            **options) -> nn.Module:
     """The model ``name``; ``options`` are the ``model.*`` keys a family takes (``patch_size`` for ViTs),
     passed when set (not 0 or None)."""
-    _load_all()
-    if name not in _REGISTRY:
-        raise ConfigError(f"model.name: {name!r} is not one of {', '.join(_REGISTRY)}.")
+    check_name(name)
     factory = _REGISTRY[name][0]
     options = {k: v for k, v in options.items() if v}
     takes = inspect.signature(factory).parameters
