@@ -14,7 +14,7 @@ from torch import nn
 from brickyard import models
 from brickyard.config import Config, build, load_config
 from brickyard.data import DataBundle, build_data, from_user
-from brickyard.data.augment import DevicePrep
+from brickyard.data.augment import DevicePrep, float_dtype
 from brickyard.distributed import env as dist_env
 from brickyard.errors import ConfigError
 from brickyard.models import pretrained
@@ -165,7 +165,7 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: st
     model.to(d, memory_format=torch.channels_last if cl else torch.preserve_format)
     batch = device_batch(cfg, 1)
     precision = for_model(cfg.train.precision, model, data, batch if batch > 1 else cfg.data.eval_batch_size, d, cl)
-    prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d)
+    prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d, float_dtype=float_dtype(model))
     r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
                  tta=tta, shift=cfg.data.shift or 1, limit=limit)
     return {"checkpoint": str(path), "split": split, "step": state["step"], "tta": tta, **r}

@@ -237,6 +237,46 @@ def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     assert not model_reads_channels_last(mlp, torch.zeros(2, 16, 16, 3)) and mlp.training
 
 
+def test_fit_reads_numpys_dtypes_as_the_model_takes_them(tmp_path):
+    """A course's `x / 255.0` is float64, `np.array(pixels)` int64: fit reads floats (float64, float16, booleans) as
+    the model's dtype, and integer images of 0..255 as the bytes they are, so each trains the weights of the
+    same images given as uint8 or float32 (Keras casts inputs to its layers' dtype too). A Dataset's float64
+    batches are cast on the device; a float64 model keeps float64. fp32, one thread, seed 0."""
+    import numpy as np
+    g = np.random.default_rng(0)
+    y = g.integers(0, 3, 300)
+    x = (g.random((300, 8, 8)) * 80).astype(np.uint8)
+    x[np.arange(300), y * 2, :] = 250  # the class is which row is bright
+
+    def fit(inputs, name, model=None, **kw):
+        torch.manual_seed(0)
+        model = model or torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+        cfg = {"train": {"epochs": 2, "device": "cpu", "progress": "none", "precision": "fp32", "threads": 1, "plots": False,
+                         "tensorboard": False}, "optim": {"lr": 0.05}, "data": {"batch_size": 30}}
+        summary = api.fit(model, inputs, test_data=kw.get("test", (x, y)), config=cfg, run_dir=tmp_path / name)
+        return model, summary, (tmp_path / name / "train.log").read_text()
+
+    ref, s, _ = fit((x, y), "uint8")
+    assert s["test_accuracy"] > 0.9, s
+    for given, name, note, exact in [
+            (x.astype(np.int64), "int64", "images of int64 with values 0..255 read as bytes (uint8), scaled to [0, 1]", True),
+            (x / 255.0, "float64", "inputs of float64 read as float32, the model's dtype", False),
+            ((x / 255.0).astype(np.float16), "float16", "inputs of float16 read as float32, the model's dtype", None)]:
+        model, s, log = fit((given, y), name, test=(given, y))
+        assert note in log, log
+        assert s["test_accuracy"] > 0.9, (name, s)
+        if exact is not None:  # float64 / 255 rounds once to float32 where the bytes are divided in float32
+            diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+            assert diff == 0 if exact else diff < 1e-5, (name, diff)
+    _, s, log = fit((x > 128, y), "bool", test=(x > 128, y))
+    assert "inputs of bool read as float32" in log and s["test_accuracy"] > 0.9
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x / 255.0)[:, None], torch.from_numpy(y))
+    _, s, _ = fit(data, "dataset", test=data)  # float64 batches from a Dataset: cast as they reach the device
+    assert s["test_accuracy"] > 0.9
+    model, s, log = fit((x / 255.0, y), "double", model=torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3)).double())
+    assert s["test_accuracy"] > 0.9 and next(model.parameters()).dtype == torch.float64 and "read as" not in log
+
+
 def test_fit_with_a_dataset(tmp_path):
     x = torch.randn(128, 1, 4, 4)
     y = (x.sum((1, 2, 3)) > 0).long()

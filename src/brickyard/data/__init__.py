@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from brickyard.data import cifar, idx, items
+from brickyard.data import augment, cifar, idx, items
 from brickyard.data.bundle import DataBundle, Split
 from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle, output_sizes
@@ -133,6 +133,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
                 split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])
         notes.append(f"train_data: PIL images, read through the transforms [{', '.join(chosen.train_transforms)}] "
                      f"(evaluation [{', '.join(chosen.eval_transforms)}]): data.train_transforms, data.eval_transforms")
+    notes += _input_dtypes(splits, model)
     if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
         raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
                         f"give class indices (labels.long()) or pass loss_fn for a regression.")
@@ -182,6 +183,37 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         classes = []  # names for other classes than the model's: say none rather than wrong ones
     return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
                       sample_shape=shape, notes=notes)
+
+
+def _input_dtypes(splits, model) -> list[str]:
+    """Inputs held as tensors, read as the model can take them (the log's notes say how): floats of another
+    dtype than the model's (NumPy's float64, from ``x / 255.0``; float16) and boolean images cast to it once, up
+    front (``DevicePrep`` does the same batch by batch for a Dataset's); images (N x C x H x W) of another
+    integer type whose values all lie in 0..255 (``np.array`` of pixel values gives int64) read as the bytes
+    they are, so scaled to [0, 1] as uint8 images are. Other integer inputs (token ids, counts) are left as
+    they are: a model of embeddings takes them so."""
+    want = augment.float_dtype(model) if model is not None else torch.float32
+    held = [s for s in splits if s is not None and s.images is not None]
+    if not held or all(s.images.dtype in (torch.uint8, want) for s in held):
+        return []
+    kinds = sorted({str(s.images.dtype).replace("torch.", "") for s in held if s.images.dtype not in (torch.uint8, want)})
+    x = held[0].images
+    if x.is_floating_point() or (x.dtype == torch.bool and x.dim() == 4):
+        for s in held:
+            if s.images.is_floating_point() or s.images.dtype == torch.bool:
+                s.images = s.images.to(want)
+        return [f"inputs of {', '.join(kinds)} read as {str(want).replace('torch.', '')}, the model's dtype"] if kinds else []
+    if x.dim() == 4 and all(not s.images.is_floating_point() for s in held):
+        lo, hi = min(int(s.images.min()) for s in held), max(int(s.images.max()) for s in held)
+        if 0 <= lo and hi <= 255:
+            for s in held:
+                s.images = s.images.to(torch.uint8)
+            return [f"images of {', '.join(kinds)} with values 0..255 read as bytes (uint8), scaled to [0, 1]"]
+        for s in held:
+            s.images = s.images.to(want)
+        return [f"images of {', '.join(kinds)} with values {lo}..{hi} read as {str(want).replace('torch.', '')} as they are "
+                f"(only bytes, 0..255, are scaled to [0, 1]: scale them yourself, or give uint8)"]
+    return []
 
 
 def _read_channels_first(given: str, shape) -> str:

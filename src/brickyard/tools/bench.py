@@ -129,7 +129,7 @@ def _job(cfg, info, host):
     optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
     fwd, sync = grad_sync(cfg.dist, model, device, own_cores=host.own_cores) if info.distributed else (model, gradsync.GradSync())
     loader = make_train_loader(data.train, cfg.data, device, info.world_size, info.rank, t.seed, t.grad_accum)
-    prep = augment.build(cfg, data, device, host.channels_last, t.seed, info.world_size)
+    prep = augment.build(cfg, data, device, host.channels_last, t.seed, info.world_size, floats=augment.float_dtype(model))
     n_params = sum(p.numel() for p in model.parameters())  # auto as for a run long enough to pay for compiling
     compiled = dev.resolve_compile(t.compile, device, n_params, dev.COMPILE_MIN_STEPS)
     chosen, measured = precision.decide(t.precision, model, data, max(device_batches(cfg.data, t.grad_accum, info.world_size)),

@@ -158,7 +158,8 @@ def build_run(req: Request, host, log, the_plan: Plan) -> Run:
     engine.update = _update_strategy(run, the_plan.layout, groups, ps_group)
     engine.loader = make_train_loader(data.train, cfg.data, device, the_plan.data_world, info.rank, t.seed, t.grad_accum)
     _check_image_features(cfg, data)
-    engine.prep = augment.build(cfg, data, device, channels_last, t.seed, the_plan.data_world, group)
+    engine.prep = augment.build(cfg, data, device, channels_last, t.seed, the_plan.data_world, group,
+                                augment.float_dtype(model))
     return run
 
 
