@@ -85,8 +85,11 @@ MLP = BASE + ["model.name=mlp", "optim.lr=0.05", "train.ema=0.9"]
 
 def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_two(tmp_path):
     ddp, fsdp, moved = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "moved"
-    _train(ddp, *MLP, "train.max_steps=20", "dist.grad_sync=ddp", devices="cpu:3")
-    r = _train(fsdp, *MLP, "train.max_steps=20", "dist.strategy=fsdp", devices="cpu:3")
+    # evaluation of the first 50 test images in batches of 8: 3-3-2 on the three ranks, so FSDP's third rank runs
+    # one forward more on a batch it has counted (each forward is a collective)
+    limited = ["data.eval_limit=50", "data.eval_batch_size=8"]
+    _train(ddp, *MLP, *limited, "train.max_steps=20", "dist.grad_sync=ddp", devices="cpu:3")
+    r = _train(fsdp, *MLP, *limited, "train.max_steps=20", "dist.strategy=fsdp", devices="cpu:3")
     assert "FSDP: the whole model as one unit sharded across 3 ranks" in r.stdout  # an MLP has no blocks
     a, b = _last(ddp), _last(fsdp)
     assert _diff(a["model"], b["model"]) < TOL
@@ -96,6 +99,7 @@ def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_tw
                  dict(enumerate(b["callbacks"]["EMA{'decay': 0.9}"]["avg"]))) < TOL
     s_ddp, s_fsdp = _summary(ddp), _summary(fsdp)
     assert s_fsdp["held_per_rank"]["parameters"] <= 0.4 * s_ddp["held_per_rank"]["parameters"]
+    assert s_ddp["test_images"] == s_fsdp["test_images"] == 50 and abs(s_ddp["test_loss"] - s_fsdp["test_loss"]) < 1e-4
     # a DDP run of 2 processes, resumed by FSDP on 3 (the global batch is the same 64 samples)
     _train(moved, *MLP, "train.max_steps=10", "dist.grad_sync=ddp")
     _train(moved, "train.max_steps=20", "dist.strategy=fsdp", "dist.grad_sync=auto", devices="cpu:3", resume=True)
