@@ -268,6 +268,11 @@ def test_fit_reads_numpys_dtypes_as_the_model_takes_them(tmp_path):
         if exact is not None:  # float64 / 255 rounds once to float32 where the bytes are divided in float32
             diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
             assert diff == 0 if exact else diff < 1e-5, (name, diff)
+    _, s, _ = fit((x, [int(v) for v in y]), "list")  # labels gathered in a Python list
+    assert s["test_accuracy"] > 0.9
+    from brickyard.errors import DataError
+    with pytest.raises(DataError, match=r"train_data: the labels are names \('[abc]', \.\.\.\); give class indices 0..K-1"):
+        fit((x, ["abc"[v] for v in y]), "names")
     _, s, log = fit((x > 128, y), "bool", test=(x > 128, y))
     assert "inputs of bool read as float32" in log and s["test_accuracy"] > 0.9
     data = torch.utils.data.TensorDataset(torch.from_numpy(x / 255.0)[:, None], torch.from_numpy(y))

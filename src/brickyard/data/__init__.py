@@ -262,6 +262,9 @@ def _user_split(data, name: str) -> Split | None:
         return None
     if isinstance(data, Split):
         return data
+    if (isinstance(data, (tuple, list)) and len(data) == 2 and hasattr(data[0], "__array__") and isinstance(data[1], list)
+            and len(data[1]) == len(data[0]) and all(isinstance(v, (int, float, np.number)) for v in data[1])):
+        data = (data[0], np.asarray(data[1]))  # labels gathered in a Python list, as Keras's y may be
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(t, "__array__") for t in data):
         try:
             inputs, labels = (t if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t)) for t in data)
@@ -280,6 +283,10 @@ def _user_split(data, name: str) -> Split | None:
         splits = ", ".join(map(repr, list(data)[:4]))
         raise DataError(f"{name}: a mapping of splits ({splits}), as Hugging Face's load_dataset returns; pass one split, "
                         f"e.g. fit(model, ds['train'], test_data=ds['test']).")
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], (list, tuple)) and data[1] \
+            and all(isinstance(v, str) for v in data[1]):
+        raise DataError(f"{name}: the labels are names ({data[1][0]!r}, ...); give class indices 0..K-1, e.g. "
+                        f"`names, labels = np.unique(labels, return_inverse=True)`.")
     got = type(data).__name__
     if isinstance(data, (tuple, list)):
         got = f"a {got} of {len(data)}: {', '.join(type(t).__name__ for t in data[:3])}{', ...' if len(data) > 3 else ''}"
