@@ -282,6 +282,32 @@ def test_fit_reads_numpys_dtypes_as_the_model_takes_them(tmp_path):
     assert s["test_accuracy"] > 0.9 and next(model.parameters()).dtype == torch.float64 and "read as" not in log
 
 
+def test_fit_holds_out_data_val_fraction_of_its_tensors_at_random_and_refuses_it_beside_val_data(tmp_path):
+    """data.val_fraction for fit: a seeded random fifth of the tensors, kept in order, as an image folder's; samples
+    sorted by class (where Keras's validation_split, the last fifth, would hold out one class) give both classes."""
+    import numpy as np
+    from brickyard.errors import DataError
+    y = np.repeat([0, 1], 50)  # sorted by class
+    x = np.arange(100, dtype=np.uint8).reshape(100, 1, 1).repeat(4, 1).repeat(4, 2)  # each image holds its index
+    cfg = {"train": {"max_steps": 1, "device": "cpu", "progress": "none", "plots": False, "tensorboard": False},
+           "data": {"val_fraction": 0.2, "batch_size": 16}}
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    s = api.fit(model, (x, y), config=cfg, run_dir=tmp_path / "a")
+    assert s["val_accuracy"] is not None
+    assert "data user: 80 train / 20 val / 0 test" in (tmp_path / "a" / "train.log").read_text()
+    from brickyard.data import from_user
+    d = from_user((x, y), model=model, transforms=api.resolve_config(cfg).data)
+    held = d.val.images[:, 0, 0, 0].tolist()
+    assert held == sorted(held) and len(held) == 20 and set(d.val.labels.tolist()) == {0, 1}
+    assert sorted(held + d.train.images[:, 0, 0, 0].tolist()) == list(range(100))  # each sample in one split
+    assert from_user((x, y), model=model, transforms=api.resolve_config(cfg).data).val.images.equal(d.val.images)  # seeded
+    with pytest.raises(DataError, match="data.val_fraction holds out 0.2 of train_data, and val_data is given too"):
+        api.fit(model, (x, y), val_data=(x, y), config=cfg, run_dir=tmp_path / "b")
+    with pytest.raises(DataError, match="for a Dataset pass val_data"):
+        api.fit(model, torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), config=cfg,
+                run_dir=tmp_path / "c")
+
+
 def test_fit_with_a_dataset(tmp_path):
     x = torch.randn(128, 1, 4, 4)
     y = (x.sum((1, 2, 3)) > 0).long()

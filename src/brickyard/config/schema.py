@@ -68,7 +68,7 @@ class DataConfig:
     eval_transforms: tuple = _opt(("auto",), doc="imagefolder evaluation transforms; auto: small images at their own size, photos resize:256, center_crop:224")
     normalize: str = _opt("imagenet", choices=("imagenet", "mnist", "half", "none"), doc="imagefolder mean/std")
     channels: int = _opt(0, choices=(0, 1, 3), doc="imagefolder channels: 1 (grey) or 3 (colour); 0 = from the first training image")
-    val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="imagefolder without val/: hold out this fraction of train")
+    val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="hold out this fraction of the training images, drawn at random (seed 0), for validation: an image folder without val/, or fit's tensors without val_data (Keras's validation_split, which takes the last ones)")
     skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
     cache: str = _opt("none", choices=("none", "memory", "disk"), doc="imagefolder: memory keeps the deterministic part of each training image in shared memory after the first epoch; disk decodes every training image once into a uint8 file beside the data (ROOT/.brickyard-cache), memory-mapped by every later run and epoch")
 

@@ -118,6 +118,10 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     first = splits[0]
     if first is None or not len(first):
         raise DataError("train_data is empty.")
+    fraction = getattr(transforms, "val_fraction", 0.0) if transforms is not None else 0.0
+    if fraction:
+        splits[0], splits[1] = _held_out(first, splits[1], fraction)
+        first = splits[0]
     notes, classes = [], []
     for split, name in zip(splits, names):  # Hugging Face's dict items, PIL images: read as (input, label) pairs
         if split is not None and split.dataset is not None:
@@ -183,6 +187,26 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         classes = []  # names for other classes than the model's: say none rather than wrong ones
     return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
                       sample_shape=shape, notes=notes)
+
+
+def _held_out(train: Split, val: Split | None, fraction: float) -> tuple[Split, Split]:
+    """``data.val_fraction`` for ``fit``'s tensors: ``(train, validation)``, the validation split a fraction of
+    the training samples drawn at random (seed 0) and kept in their order, as an image folder's is. Keras's
+    ``validation_split`` takes the last samples instead (``train_validation_split`` in
+    keras/src/trainers/data_adapters/array_slicing.py: ``split_at = floor(n * (1 - validation_split))``), which
+    holds out one class alone where the samples are sorted by class; like Keras, tensors only."""
+    if val is not None:
+        raise DataError(f"data.val_fraction holds out {fraction:g} of train_data, and val_data is given too: pass one of them.")
+    if train.images is None:
+        raise DataError(f"data.val_fraction holds out part of tensors; for a Dataset pass val_data "
+                        f"(torch.utils.data.random_split makes one).")
+    n = len(train)
+    n_val = max(1, int(n * fraction))
+    if n_val >= n:
+        raise DataError(f"data.val_fraction {fraction:g} of {n} training samples leaves none to train on.")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    vidx, tidx = order[:n_val].sort().values, order[n_val:].sort().values
+    return Split(train.images[tidx], train.labels[tidx]), Split(train.images[vidx], train.labels[vidx])
 
 
 def _input_dtypes(splits, model) -> list[str]:
