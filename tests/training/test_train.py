@@ -308,6 +308,22 @@ def test_fit_holds_out_data_val_fraction_of_its_tensors_at_random_and_refuses_it
                 run_dir=tmp_path / "c")
 
 
+def test_fit_keeps_the_classes_and_images_a_class_that_data_classes_and_train_per_class_name(tmp_path):
+    """data.classes and data.train_per_class work on every data set held as tensors, fit's too (they were ignored)."""
+    import numpy as np
+    from brickyard.data import from_user
+    from brickyard.errors import DataError
+    g = np.random.default_rng(0)
+    x, y = (g.random((90, 4, 4)) * 255).astype(np.uint8), np.arange(90) % 3
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    cfg = api.resolve_config({"data": {"classes": [0, 2], "train_per_class": 5}})
+    d = from_user((x, y), test=(x, y), model=model, transforms=cfg.data)
+    assert len(d.train) == 10 and d.num_classes == 2 and sorted(d.train.labels.tolist()) == [0] * 5 + [1] * 5
+    assert len(d.test) == 60 and set(d.test.labels.tolist()) == {0, 1}  # the test split keeps every image of both
+    with pytest.raises(DataError, match="data.classes and data.train_per_class work on data sets held as tensors"):
+        from_user(torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), model=model, transforms=cfg.data)
+
+
 def test_fit_with_a_dataset(tmp_path):
     x = torch.randn(128, 1, 4, 4)
     y = (x.sum((1, 2, 3)) > 0).long()

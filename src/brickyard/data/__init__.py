@@ -72,7 +72,8 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
     if not cfg.classes and not cfg.train_per_class:
         return bundle
     if not bundle.in_memory:
-        raise DataError("data.classes and data.train_per_class work on data sets held as tensors (mnist, fashion-mnist, synthetic).")
+        raise DataError("data.classes and data.train_per_class work on data sets held as tensors (mnist, fashion-mnist, "
+                        "synthetic, fit's (inputs, labels)).")
     keep = list(cfg.classes) or list(range(bundle.num_classes))
     bad = [c for c in keep if not isinstance(c, int) or not 0 <= c < bundle.num_classes]
     if bad:
@@ -93,7 +94,9 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
 
     return DataBundle(bundle.name, cut(bundle.train, cfg.train_per_class), cut(bundle.val, 0), cut(bundle.test, 0),
                       len(keep), bundle.in_channels, bundle.image_size, bundle.mean, bundle.std,
-                      [bundle.classes[c] for c in keep] if bundle.classes else [])
+                      [bundle.classes[c] for c in keep] if bundle.classes else [], sample_shape=bundle.sample_shape,
+                      train_size=bundle.train_size,
+                      notes=bundle.notes)
 
 
 def from_user(train, val=None, test=None, num_classes: int | None = None, model=None, own_loss: bool = False,
@@ -185,8 +188,9 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
     if classes and len(classes) != num_classes:
         classes = []  # names for other classes than the model's: say none rather than wrong ones
-    return DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
-                      sample_shape=shape, notes=notes)
+    bundle = DataBundle("user", splits[0], splits[1], splits[2], num_classes, in_channels, size, classes=classes,
+                        sample_shape=shape, notes=notes)
+    return _subset(bundle, transforms) if transforms is not None and classify else bundle
 
 
 def _held_out(train: Split, val: Split | None, fraction: float) -> tuple[Split, Split]:
