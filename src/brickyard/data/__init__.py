@@ -218,8 +218,9 @@ def _input_dtypes(splits, model) -> list[str]:
     dtype than the model's (NumPy's float64, from ``x / 255.0``; float16) and boolean images cast to it once, up
     front (``DevicePrep`` does the same batch by batch for a Dataset's); images (N x C x H x W) of another
     integer type whose values all lie in 0..255 (``np.array`` of pixel values gives int64) read as the bytes
-    they are, so scaled to [0, 1] as uint8 images are. Other integer inputs (token ids, counts) are left as
-    they are: a model of embeddings takes them so."""
+    they are, so scaled to [0, 1] as uint8 images are (brickyard's own reading: Keras casts floats alone, to
+    ``floatx``, in ``convert_to_sliceable`` of keras/src/trainers/data_adapters/array_slicing.py). Other integer
+    inputs (token ids, counts) are left as they are: a model of embeddings takes them so."""
     want = augment.float_dtype(model) if model is not None else torch.float32
     held = [s for s in splits if s is not None and s.images is not None]
     if not held or all(s.images.dtype in (torch.uint8, want) for s in held):

@@ -50,9 +50,10 @@ class Strong:
 
 class DevicePrep:
     """A batch on its way to the model: bytes (uint8) scaled to [0, 1] and normalised, other floats and booleans
-    (a user's float64 ``x / 255.0``, float16, a mask) cast to ``float_dtype``, the model's (Keras casts inputs to
-    its layers' dtype too; other integer inputs, token ids say, are left as they are); then the training
-    augmentations."""
+    (a user's float64 ``x / 255.0``, float16, a mask) cast to ``float_dtype``, the model's (Keras casts float
+    inputs to ``floatx`` too: ``convert_to_sliceable``, "Step 2. Normalize floats to floatx", in
+    keras/src/trainers/data_adapters/array_slicing.py; other integer inputs, token ids say, are left as they
+    are); then the training augmentations."""
 
     def __init__(self, mean, std, augment: str = "none", shift: int = 2, channels_last: bool = False,
                  device: torch.device = torch.device("cpu"), seed: int = 0, strong: Strong | None = None,
