@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from brickyard.data import augment, cifar, idx, items
-from brickyard.data.bundle import DataBundle, Split
+from brickyard.data.bundle import DataBundle, Split, held_out
 from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle, output_sizes
 from brickyard.data.synthetic import synthetic_bundle
@@ -123,7 +123,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         raise DataError("train_data is empty.")
     fraction = getattr(transforms, "val_fraction", 0.0) if transforms is not None else 0.0
     if fraction:
-        splits[0], splits[1] = _held_out(first, splits[1], fraction)
+        splits[0], splits[1] = _validation_of(first, splits[1], fraction)
         first = splits[0]
     notes, classes = [], []
     for split, name in zip(splits, names):  # Hugging Face's dict items, PIL images: read as (input, label) pairs
@@ -193,7 +193,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     return _subset(bundle, transforms) if transforms is not None and classify else bundle
 
 
-def _held_out(train: Split, val: Split | None, fraction: float) -> tuple[Split, Split]:
+def _validation_of(train: Split, val: Split | None, fraction: float) -> tuple[Split, Split]:
     """``data.val_fraction`` for ``fit``'s tensors: ``(train, validation)``, the validation split a fraction of
     the training samples drawn at random (seed 0) and kept in their order, as an image folder's is. Keras's
     ``validation_split`` takes the last samples instead (``train_validation_split`` in
@@ -204,12 +204,10 @@ def _held_out(train: Split, val: Split | None, fraction: float) -> tuple[Split, 
     if train.images is None:
         raise DataError(f"data.val_fraction holds out part of tensors; for a Dataset pass val_data "
                         f"(torch.utils.data.random_split makes one).")
-    n = len(train)
-    n_val = max(1, int(n * fraction))
-    if n_val >= n:
-        raise DataError(f"data.val_fraction {fraction:g} of {n} training samples leaves none to train on.")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-    vidx, tidx = order[:n_val].sort().values, order[n_val:].sort().values
+    vidx, tidx = held_out(len(train), fraction)
+    if not tidx:
+        raise DataError(f"data.val_fraction {fraction:g} of {len(train)} training samples leaves none to train on.")
+    vidx, tidx = torch.tensor(sorted(vidx)), torch.tensor(sorted(tidx))
     return Split(train.images[tidx], train.labels[tidx]), Split(train.images[vidx], train.labels[vidx])
 
 

@@ -46,3 +46,11 @@ class DataBundle:
     def is_images(self) -> bool:
         """Inputs are C x H x W images: channels_last, augmentation and image plots apply."""
         return len(self.sample_shape) == 3 or not self.sample_shape and len(self.image_size) == 2
+
+
+def held_out(n: int, fraction: float) -> tuple[list[int], list[int]]:
+    """``data.val_fraction`` of ``n`` samples: ``(validation, training)`` indices, ``max(1, int(n * fraction))``
+    of them drawn at random (seed 0, the same on every rank and run), each part in the order drawn."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = max(1, int(n * fraction))
+    return order[:n_val], order[n_val:]

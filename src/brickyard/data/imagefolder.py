@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from brickyard.data.bundle import DataBundle, Split
+from brickyard.data.bundle import DataBundle, Split, held_out
 from brickyard.data.idx import cache_dir
 from brickyard.files import printable, write_atomic
 from brickyard.data.transforms import NAMED_STATS, Pipeline, random_crop_arg, to_channels
@@ -361,10 +361,7 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
             skipped += more
         val = Split(dataset=ImageFolderDataset(vf, vl, eval_pipe))
     elif cfg.val_fraction > 0:
-        g = torch.Generator().manual_seed(0)
-        order = torch.randperm(len(files), generator=g).tolist()
-        n_val = max(1, int(len(files) * cfg.val_fraction))
-        vidx, tidx = order[:n_val], order[n_val:]
+        vidx, tidx = held_out(len(files), cfg.val_fraction)
         val = Split(dataset=ImageFolderDataset([files[i] for i in vidx], [labels[i] for i in vidx], eval_pipe))
         files, labels = [files[i] for i in tidx], [labels[i] for i in tidx]
     test = None

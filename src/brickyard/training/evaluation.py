@@ -109,12 +109,13 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
         r = evaluate_split(run, data.test, keep)
         run.metrics = {k: v for k, v in r.items() if k != "errors"}
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"], test_images=r["count"])
-        if r["count"] < len(data.test):
+        limited = r["count"] < len(data.test)
+        if limited:
             summary["eval_limit"] = cfg.data.eval_limit
         metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
             "loss", "accuracy", "top5", "per_class_accuracy", "confusion") if k in r})
         tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
-        part = f" (the first {r['count']:,} of {len(data.test):,} images)" if r["count"] < len(data.test) else ""
+        part = f" (the first {r['count']:,} of {len(data.test):,} images)" if limited else ""
         run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip() + part)
         if run.is_main and "errors" in r:
             wrong_images, true, pred = r["errors"]
