@@ -317,6 +317,40 @@ def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
     assert s["steps"] == 1
 
 
+def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
+    """Keras's ``to_categorical`` labels (N x C floats): the same weights and accuracy as the class indices, the
+    classes counted from the width (the last one no sample has), label smoothing applied; rows of other
+    probabilities stay soft targets (no accuracy), and one-hot splits of different widths are one sentence. Before,
+    one-hot labels trained as a regression with no accuracy at all, silently."""
+    from brickyard import fit
+    from brickyard.errors import DataError
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (64, 6, 6), dtype=np.uint8), rng.integers(0, 3, 64)
+    one_hot = np.eye(4, dtype=np.float32)[labels]  # 4 columns: class 3 has no sample
+    ov = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.max_steps=3", "train.plots=false",
+          "data.batch_size=16", "optim.label_smoothing=0.1", "train.seed=3"]
+    runs = {}
+    for kind, y in (("indices", labels), ("one-hot", one_hot)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4))
+        s = fit(model, (images, y), (images[:16], y[:16]), run_dir=tmp_path / kind, overrides=ov)
+        runs[kind] = s, model.state_dict()
+    (s_i, w_i), (s_o, w_o) = runs["indices"], runs["one-hot"]
+    assert s_o["val_accuracy"] is not None and s_o["val_accuracy"] == s_i["val_accuracy"]
+    assert all(torch.equal(w_i[k], w_o[k]) for k in w_i)
+    assert "train_data: one-hot labels (64 x 4) read as class indices" in (tmp_path / "one-hot" / "train.log").read_text()
+    soft = np.full((64, 4), 0.25, dtype=np.float32)
+    s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, soft), run_dir=tmp_path / "soft",
+            overrides=ov)
+    assert s["steps"] == 3 and s["val_accuracy"] is None
+    with pytest.raises(DataError, match=re.escape("the one-hot labels differ in width: train_data 4, val_data 3.")):
+        fit(torch.nn.Linear(36, 4), (images, one_hot), (images[:8], np.eye(3, dtype=np.float32)[labels[:8]]),
+            run_dir=tmp_path / "widths", overrides=ov)
+    with pytest.raises(DataError, match=re.escape("num_classes is 5 but the one-hot labels have 4 columns.")):
+        fit(torch.nn.Linear(36, 5), (images, one_hot), num_classes=5, run_dir=tmp_path / "n", overrides=ov)
+    assert not (tmp_path / "widths").exists() and not (tmp_path / "n").exists()
+
+
 @pytest.mark.parametrize("gap", [0.0, 0.3])
 def test_a_second_ctrl_c_during_shutdown_prints_nothing_more(tmp_path, gap):
     """Ctrl-C saves a checkpoint and exits 130; a second one, at once or a moment later, ends it without a

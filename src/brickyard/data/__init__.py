@@ -140,6 +140,11 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
                 split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])
         notes.append(f"train_data: PIL images, read through the transforms [{', '.join(chosen.train_transforms)}] "
                      f"(evaluation [{', '.join(chosen.eval_transforms)}]): data.train_transforms, data.eval_transforms")
+    width = _one_hot_labels(splits, names, notes)
+    if num_classes is None and width:
+        num_classes = width  # the one-hot width, not the largest label + 1: a class no sample has still counts
+    elif width and num_classes != width:
+        raise DataError(f"num_classes is {num_classes} but the one-hot labels have {width} columns.")
     notes += _input_dtypes(splits, model)
     if not own_loss and first.labels is not None and first.labels.is_floating_point() and first.labels.dim() == 1:
         raise DataError(f"train_data: labels are floats ({first.labels.dtype}), which the default cross-entropy cannot take; "
@@ -209,6 +214,27 @@ def _validation_of(train: Split, val: Split | None, fraction: float) -> tuple[Sp
         raise DataError(f"data.val_fraction {fraction:g} of {len(train)} training samples leaves none to train on.")
     vidx, tidx = torch.tensor(sorted(vidx)), torch.tensor(sorted(tidx))
     return Split(train.images[tidx], train.labels[tidx]), Split(train.images[vidx], train.labels[vidx])
+
+
+def _one_hot_labels(splits, names, notes: list[str]) -> int:
+    """Labels held as N x C one-hot rows (Keras's ``to_categorical``: floats, one 1 a row, the rest 0) read as the
+    class indices they encode, so a run scores accuracy and label smoothing applies, as Keras's ``accuracy`` metric
+    reads one-hot targets as classes (its ``categorical_accuracy``: argmax of each). Rows of other probabilities
+    (soft targets, smoothed labels) are left as they are, for a loss of the user's. Returns C, or 0 when no split's
+    labels were one-hot; splits of different widths are one sentence."""
+    widths = {}
+    for split, name in zip(splits, names):
+        labels = None if split is None else split.labels
+        if labels is None or not labels.is_floating_point() or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
+            continue
+        if not (((labels == 0) | (labels == 1)).all() and (labels.sum(1) == 1).all()):
+            continue
+        widths[name] = labels.shape[1]
+        split.labels = labels.argmax(1)
+        notes.append(f"{name}: one-hot labels ({len(labels)} x {labels.shape[1]}) read as class indices")
+    if len(set(widths.values())) > 1:
+        raise DataError("the one-hot labels differ in width: " + ", ".join(f"{n} {w}" for n, w in widths.items()) + ".")
+    return next(iter(widths.values()), 0)
 
 
 def _input_dtypes(splits, model) -> list[str]:
