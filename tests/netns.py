@@ -82,7 +82,8 @@ class Hosts:
 
     def popen(self, i: int, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         """``python -m brickyard ARGV`` on host ``i`` (``env`` adds to ours; None unsets), in a process group of its own (to kill a whole node)."""
-        full_env = dict(os.environ)
+        # a crash in native code prints where Python was (a node died once of SIGSEGV with nothing on stderr)
+        full_env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
         full_env.update(env or {})
         full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
         p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], sys.executable, "-m", "brickyard", *argv],

@@ -47,7 +47,8 @@ def resolve_config(config=None, overrides=()) -> Config:
 
 
 def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, callbacks=(), loss_fn=None,
-        train_step=None, num_classes=None, run_dir=None, resume=None, overrides=()) -> dict:
+        train_step=None, num_classes=None, run_dir=None, resume=None, overrides=(), epochs=None, batch_size=None,
+        validation_split=None) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
@@ -69,11 +70,17 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     settings it changes (deterministic algorithms, cuDNN benchmark, CPU threads) when it returns.
     ``$BRICKYARD_RUN_DIR``, ``$BRICKYARD_LOG_DIR`` and ``$BRICKYARD_RESUME`` (set by `brickyard run`) are
     the defaults of ``run_dir``, the worker logs and ``resume``.
+
+    ``epochs``, ``batch_size`` and ``validation_split`` are Keras's ``fit`` keywords, set on top of ``config`` and
+    ``overrides``: ``train.epochs``, ``data.global_batch_size`` (Keras's batch is the global one: each of N
+    processes takes its share) and ``data.val_fraction`` (a random part held out, where Keras takes the last).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(overrides, str):
         overrides = [overrides]  # one KEY=VALUE, not its characters
+    keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split}
+    overrides = [*overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
         raise ConfigError("optim.lr: find runs the range test on the registry models of `brickyard train`; for your own "

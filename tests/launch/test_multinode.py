@@ -76,7 +76,7 @@ def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
     time.sleep(3)
     first = _node(h, 0, run, 2, devices=f"cpu:{nproc}")
     (rc0, out0, err0), (rc1, _, err1) = _wait(first), _wait(second)
-    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     world = 2 * nproc
     assert f"global batch 48 ({48 // world} per device x {world} x 1 accumulation)" in out0 + (run / "train.log").read_text()
     summary = json.loads((run / "summary.json").read_text())
@@ -179,7 +179,7 @@ def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tm
     time.sleep(2)
     back = _node(h, 1, run, 2, restarts, config=steps)  # the node returns
     (rc0, out0, err0), (rc1, _, err1) = _wait(first), _wait(back)
-    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert "torchrun restarts the group (1 restart(s) left)" in err0 and "Traceback" not in err0 + err1
     log0 = (run / "logs-node0" / "workerlog.0").read_text()
     resumed = re.search(r"resumed from \S+ at step (\d+)", log0)
@@ -247,7 +247,7 @@ def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(host
             "--master", f"{h.addr(0)}:{PORT}"]
     procs = [h.popen(i, argv + ["--node-rank", str(i), "--out", str(tmp_path / f"out{i}")]) for i in (1, 0)]
     (rc1, out1, err1), (rc0, out0, err0) = [_wait(p) for p in procs]
-    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert "--- devices cpu:1\n" in out0 and "--- devices cpu:1 on each of 2 nodes" in out0
     assert "--- devices cpu:1\n" not in out1 and "--- devices cpu:1 on each of 2 nodes" in out1  # node 1 joins only
     doc = json.loads((tmp_path / "out0" / "bench.json").read_text())

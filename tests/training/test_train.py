@@ -308,6 +308,25 @@ def test_fit_holds_out_data_val_fraction_of_its_tensors_at_random_and_refuses_it
                 run_dir=tmp_path / "c")
 
 
+def test_fit_takes_keras_epochs_batch_size_and_validation_split(tmp_path):
+    """``fit(model, (x, y), epochs=2, batch_size=32, validation_split=0.2)`` as a Keras user writes it (a TypeError
+    before): the keywords set train.epochs, data.global_batch_size and data.val_fraction over the config, and a bad
+    value is the config's own sentence."""
+    import numpy as np
+    from brickyard.errors import ConfigError
+    x, y = np.random.default_rng(0).random((100, 4), dtype=np.float32), np.arange(100) % 3
+    cfg = {"train": {"epochs": 9, "device": "cpu", "progress": "none", "plots": False, "tensorboard": False,
+                     "precision": "fp32", "threads": 1}}
+    s = api.fit(torch.nn.Linear(4, 3), (x, y), config=cfg, run_dir=tmp_path / "a", epochs=2, batch_size=32,
+                validation_split=0.2)
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert "data user: 80 train / 20 val / 0 test" in log and "global batch 32 (32 per device x 1 x 1 accumulation)" in log
+    assert s["steps"] == 2 * 3 and s["val_accuracy"] is not None  # 80 samples in batches of 32: 3 steps an epoch
+    with pytest.raises(ConfigError, match="train.epochs: -1 is below the minimum"):
+        api.fit(torch.nn.Linear(4, 3), (x, y), config=cfg, run_dir=tmp_path / "b", epochs=-1)
+    assert not (tmp_path / "b").exists()
+
+
 def test_fit_keeps_the_classes_and_images_a_class_that_data_classes_and_train_per_class_name(tmp_path):
     """data.classes and data.train_per_class work on every data set held as tensors, fit's too (they were ignored)."""
     import numpy as np
