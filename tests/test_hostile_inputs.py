@@ -320,8 +320,9 @@ def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
 def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     """Keras's ``to_categorical`` labels (N x C floats): the same weights and accuracy as the class indices, the
     classes counted from the width (the last one no sample has), label smoothing applied; rows of other
-    probabilities stay soft targets (no accuracy), and one-hot splits of different widths are one sentence. Before,
-    one-hot labels trained as a regression with no accuracy at all, silently."""
+    probabilities stay soft targets (no accuracy); integer rows that are not one-hot and one-hot splits of different
+    widths are one sentence. Before, float one-hot labels trained as a regression with no accuracy at all, silently,
+    and integer ones crashed in the loss."""
     from brickyard import fit
     from brickyard.errors import DataError
     rng = np.random.default_rng(0)
@@ -339,6 +340,11 @@ def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     assert s_o["val_accuracy"] is not None and s_o["val_accuracy"] == s_i["val_accuracy"]
     assert all(torch.equal(w_i[k], w_o[k]) for k in w_i)
     assert "train_data: one-hot labels (64 x 4) read as class indices" in (tmp_path / "one-hot" / "train.log").read_text()
+    s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, one_hot.astype(bool)),
+            run_dir=tmp_path / "dummies", overrides=ov)  # pandas' get_dummies: booleans (a crash in the loss before)
+    assert s["steps"] == 3 and "one-hot labels (64 x 4) read as class indices" in (tmp_path / "dummies" / "train.log").read_text()
+    with pytest.raises(DataError, match=re.escape("train_data: labels are 64 x 4 integers but not one-hot")):
+        fit(torch.nn.Linear(36, 4), (images, np.ones((64, 4), dtype=np.int64)), run_dir=tmp_path / "multi", overrides=ov)
     soft = np.full((64, 4), 0.25, dtype=np.float32)
     s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, soft), run_dir=tmp_path / "soft",
             overrides=ov)
@@ -348,7 +354,7 @@ def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
             run_dir=tmp_path / "widths", overrides=ov)
     with pytest.raises(DataError, match=re.escape("num_classes is 5 but the one-hot labels have 4 columns.")):
         fit(torch.nn.Linear(36, 5), (images, one_hot), num_classes=5, run_dir=tmp_path / "n", overrides=ov)
-    assert not (tmp_path / "widths").exists() and not (tmp_path / "n").exists()
+    assert not any((tmp_path / name).exists() for name in ("widths", "n", "multi"))
 
 
 @pytest.mark.parametrize("gap", [0.0, 0.3])

@@ -217,17 +217,22 @@ def _validation_of(train: Split, val: Split | None, fraction: float) -> tuple[Sp
 
 
 def _one_hot_labels(splits, names, notes: list[str]) -> int:
-    """Labels held as N x C one-hot rows (Keras's ``to_categorical``: floats, one 1 a row, the rest 0) read as the
-    class indices they encode, so a run scores accuracy and label smoothing applies, as Keras's ``accuracy`` metric
-    reads one-hot targets as classes (its ``categorical_accuracy``: argmax of each). Rows of other probabilities
-    (soft targets, smoothed labels) are left as they are, for a loss of the user's. Returns C, or 0 when no split's
-    labels were one-hot; splits of different widths are one sentence."""
+    """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
+    ``get_dummies`` booleans) read as the class indices they encode, so a run scores accuracy and label smoothing
+    applies, as Keras's ``accuracy`` metric reads one-hot targets as classes (its ``categorical_accuracy``: the
+    argmax of each). Rows of other probabilities
+    (soft targets, smoothed labels) are left as they are, for a loss of the user's; integer rows that are not one-hot
+    (multi-hot) are one sentence. Returns C, or 0 when no split's labels were one-hot; splits of different widths are
+    one sentence."""
     widths = {}
     for split, name in zip(splits, names):
         labels = None if split is None else split.labels
-        if labels is None or not labels.is_floating_point() or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
+        if labels is None or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
             continue
         if not (((labels == 0) | (labels == 1)).all() and (labels.sum(1) == 1).all()):
+            if not labels.is_floating_point():
+                raise DataError(f"{name}: labels are {len(labels)} x {labels.shape[1]} integers but not one-hot (a single 1 "
+                                f"a row); give class indices (N labels) or one-hot rows.")
             continue
         widths[name] = labels.shape[1]
         split.labels = labels.argmax(1)
