@@ -219,7 +219,7 @@ def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     assert summary["test_accuracy"] > 0.95, summary["test_accuracy"]
     assert "(channels last, as Keras keeps images) and the model takes channels first: read as 3x16x16" in \
         (tmp_path / "fit" / "train.log").read_text()
-    out = brickyard.predict(model, torch.as_tensor(x[700:760]).float() / 255)
+    out = brickyard.predict(model, x[700:760])  # the uint8 arrays fit took, as they are
     assert (out["predicted"].numpy() == y[700:760, 0]).mean() > 0.95
     # a model that takes channels-last images itself keeps them as they are; an MLP reads any layout as given
     class Permutes(torch.nn.Module):
@@ -235,6 +235,32 @@ def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     from brickyard.data.layout import model_reads_channels_last
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 3, 3))
     assert not model_reads_channels_last(mlp, torch.zeros(2, 16, 16, 3)) and mlp.training
+
+
+def test_predict_reads_a_modules_inputs_as_fit_trained_it(tmp_path):
+    """fit scales uint8 images to [0, 1]; predict on the module fed them as 0..255 floats, so a model with batch norm
+    scored 75.5% through predict against fit's own 84.95% on the same MNIST images. Now bytes, 0..255 int64 images
+    and x / 255.0 give the same probabilities, those of fit's test pass; token ids reach an embedding as integers, and
+    a float64 model takes its inputs (a dtype error before). fp32, one thread, seed 0."""
+    import numpy as np
+    import brickyard
+    g = np.random.default_rng(0)
+    y = g.integers(0, 3, 400)
+    x = (g.random((400, 1, 8, 8)) * 120).astype(np.uint8)
+    x[np.arange(400), 0, 2 * y, 3] = 255  # the class is where the bright pixel is
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 3))
+    s = api.fit(model, (x[:300], y[:300]), test_data=(x[300:], y[300:]), config={"train": {
+        "epochs": 4, "device": "cpu", "progress": "none", "precision": "fp32", "threads": 1, "plots": False},
+        "data": {"batch_size": 30}, "optim": {"lr": 0.01}}, run_dir=tmp_path / "r")
+    probs = [brickyard.predict(model, v)["probabilities"] for v in (x[300:], x[300:].astype(np.int64), x[300:] / 255.0)]
+    assert all(torch.allclose(p, probs[0], atol=1e-6) for p in probs)
+    assert (probs[0].argmax(1).numpy() == y[300:]).mean() == pytest.approx(s["test_accuracy"])
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]
+    ids = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    assert brickyard.predict(ids, torch.randint(0, 10, (5, 3)))["predicted"].shape == (5,)
+    assert brickyard.predict(model.double(), x[300:310])["predicted"].tolist() == probs[0][:10].argmax(1).tolist()
 
 
 def test_fit_reads_numpys_dtypes_as_the_model_takes_them(tmp_path):

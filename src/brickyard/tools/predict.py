@@ -16,6 +16,7 @@ from PIL import Image
 
 from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.data import layout
+from brickyard.data.augment import float_dtype
 from brickyard.data.imagefolder import BAD_IMAGE, GREY, IMAGE_EXT, as_uint8, files_under, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
@@ -118,12 +119,29 @@ def _as_batch(inputs, meta: dict) -> torch.Tensor:
         raise BrickyardError(f"inputs: cannot be read as a tensor ({reason(e)}).") from None
 
 
+def _as_fit_reads(x: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A module's inputs as ``fit`` trains on its tensors (``brickyard.data._input_dtypes``, then ``DevicePrep``
+    with a user's data's mean 0 and std 1): bytes, and images (N x C x H x W) of another integer type whose values
+    all lie in 0..255, scaled to [0, 1]; other integer images, floats and booleans cast to the model's float dtype;
+    other integers (token ids for an embedding) left as they are. Before, bytes reached the module as 0..255 floats although ``fit`` had
+    trained it on [0, 1]."""
+    want = float_dtype(model)
+    if x.dtype not in (torch.uint8, torch.bool) and not x.is_floating_point() and x.dim() == 4 and x.numel():
+        if not (0 <= int(x.min()) and int(x.max()) <= 255):
+            return x.to(want)  # integer images of other values: as they are, as fit casts them
+        x = x.to(torch.uint8)
+    if x.dtype == torch.uint8:
+        return x.float().div_(255.0).to(want)
+    return x.to(want) if x.is_floating_point() or x.dtype == torch.bool else x
+
+
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
-    ``nn.Module`` (then inputs are used as given, unnormalised; only a channels-last batch the module cannot
-    take as it is, and can channels-first, is read that way, as ``fit`` reads it).
+    ``nn.Module`` (then inputs are read as ``fit`` reads its tensors, unnormalised: bytes, and integer images of
+    0..255, scaled to [0, 1]; floats and booleans in the module's float dtype; other integers, such as token ids, as
+    they are; a channels-last batch the module cannot take as it is, and can channels-first, read that way).
     ``inputs``: a tensor / array N x C x H x W (or N x H x W x C, Keras's layout, where the model takes
     only N x C x H x W, as ``fit`` reads it: ``brickyard.data.layout``), a list of tensors, or image / ``.npy`` paths.
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
@@ -147,8 +165,10 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     x = _as_batch(inputs, meta)
     if meta:  # N x H x W x C, as Keras and NumPy keep images: the checkpoint's C x H x W says it
         x = layout.as_checkpoint_reads(x, meta.get("in_channels"), meta.get("image_size"))
-    elif layout.model_reads_channels_last(model, x):  # a module: the layout it takes, as fit reads it
-        x = layout.channels_first(x)
+    else:  # a module: the dtype and layout it takes, as fit reads its tensors
+        x = _as_fit_reads(x, model)
+        if layout.model_reads_channels_last(model, x):
+            x = layout.channels_first(x)
     if meta and x.dim() == 4 and meta.get("in_channels") and meta.get("image_size") \
             and tuple(x.shape[1:]) != (meta["in_channels"], *meta["image_size"]):
         c, (h, w) = meta["in_channels"], meta["image_size"]
@@ -170,7 +190,7 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
         model.eval()
     try:
-        parts = [forward_with_outputs(model, chunk.float().to(d), list(outputs)) for chunk in x.split(CHUNK)]
+        parts = [forward_with_outputs(model, chunk.to(d), list(outputs)) for chunk in x.split(CHUNK)]
         result = {k: torch.cat([part[k].cpu() for part in parts]) for k in parts[0]}
     finally:
         if was_training and not meta.get("normalises"):
