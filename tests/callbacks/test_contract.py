@@ -34,6 +34,26 @@ def test_a_step_written_from_scratch_trains_the_builtin_weights(tmp_path):
     assert abs(b["val_loss"] - a["val_loss"]) < 1e-5  # the totals, the NaN guard and evaluation ran as for brickyard's
 
 
+def test_a_step_that_returns_a_dict_as_lightnings_training_step_may(tmp_path):
+    """Lightning's ``training_step`` may return ``{"loss": loss, ...}``: the same weights and accuracy as the pair."""
+    x, y = spirals(320)
+    conf = cfg(epochs=2)
+    pair, as_dict = mlp(), mlp()
+    a = api.fit(pair, (x, y), val_data=(x, y), config=conf, train_step=own_step, run_dir=tmp_path / "pair")
+
+    def dict_step(run, batch):
+        loss, outputs = own_step(run, batch)
+        return {"loss": loss, "outputs": outputs, "anything": 1}
+
+    b = api.fit(as_dict, (x, y), val_data=(x, y), config=conf, train_step=dict_step, run_dir=tmp_path / "dict")
+    assert all(torch.equal(p, q) for p, q in zip(pair.parameters(), as_dict.parameters()))
+    assert b["val_accuracy"] == a["val_accuracy"]
+    import json
+    trained = [[row.get("accuracy") for row in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                if row.get("kind") == "train"] for name in ("pair", "dict")]
+    assert trained[0] == trained[1] and trained[0] and None not in trained[0]  # the outputs gave the training accuracy
+
+
 def test_a_step_that_calls_backward_itself_and_returns_the_loss_alone(tmp_path):
     x, y = spirals(320)
     calls = []
@@ -52,10 +72,13 @@ def test_a_step_that_calls_backward_itself_and_returns_the_loss_alone(tmp_path):
 
 def test_a_bad_step_result_is_one_sentence(tmp_path):
     x, y = spirals(64)
-    with pytest.raises(BrickyardError, match=r"must return the mean loss as a 0-dim tensor \(or \(loss, outputs\)\); it returned \(32,\)"):
+    with pytest.raises(BrickyardError, match=r"must return the mean loss as a 0-dim tensor \(or \(loss, outputs\), or .*it returned \(32,\)"):
         api.fit(mlp(), (x, y), config=cfg(epochs=1),
                 train_step=lambda run, b: nn.functional.cross_entropy(run.forward(b[0]), b[1], reduction="none"),
                 run_dir=tmp_path / "a")
+    with pytest.raises(BrickyardError, match=r"it returned dict with keys 'logits' and no 'loss'\."):
+        api.fit(mlp(), (x, y), config=cfg(epochs=1), train_step=lambda run, b: {"logits": run.forward(b[0])},
+                run_dir=tmp_path / "c")
     with pytest.raises(BrickyardError, match="returned a loss without a gradient"):
         api.fit(mlp(), (x, y), config=cfg(epochs=1), train_step=lambda run, b: torch.tensor(1.0), run_dir=tmp_path / "b")
 

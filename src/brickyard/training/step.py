@@ -149,7 +149,9 @@ def optimizer_step(run, batches, totals: Totals) -> StepResult:
 
 
 def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs."""
+    """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs, as a pair or a dict of
+    ``loss`` and ``outputs`` (Lightning's ``training_step`` may return a dict with ``loss``; the other keys are ignored
+    here, as Lightning hands them to its callbacks only)."""
     e = run._engine
     e.backward_done = False
     fn = e.step_fn
@@ -162,11 +164,14 @@ def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
             if fn is default_step:
                 raise
             raise user_code_error(f"train_step {_name(fn)}", err) from err
+    if isinstance(result, dict) and "loss" in result:  # Lightning's training_step may return {"loss": ..., ...}
+        result = (result["loss"], result.get("outputs"))
     loss, out = result if isinstance(result, tuple) else (result, None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise BrickyardError(f"train_step {_name(fn)} must return the mean loss as a 0-dim tensor (or (loss, outputs)); "
-                             f"it returned {got}.")
+        keys = f" with keys {', '.join(map(repr, list(result)[:4]))} and no 'loss'" if isinstance(result, dict) else ""
+        raise BrickyardError(f"train_step {_name(fn)} must return the mean loss as a 0-dim tensor (or (loss, outputs), or "
+                             f"{{'loss': loss, 'outputs': outputs}}); it returned {got}{keys}.")
     if not e.backward_done and not loss.requires_grad:
         raise BrickyardError(f"train_step {_name(fn)} returned a loss without a gradient; return the loss of "
                              f"run.forward's outputs (or call run.backward(loss) yourself).")
