@@ -220,10 +220,9 @@ def _one_hot_labels(splits, names, notes: list[str]) -> int:
     """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
     ``get_dummies`` booleans) read as the class indices they encode, so a run scores accuracy and label smoothing
     applies, as Keras's ``accuracy`` metric reads one-hot targets as classes (its ``categorical_accuracy``: the
-    argmax of each). Rows of other probabilities
-    (soft targets, smoothed labels) are left as they are, for a loss of the user's; integer rows that are not one-hot
-    (multi-hot) are one sentence. Returns C, or 0 when no split's labels were one-hot; splits of different widths are
-    one sentence."""
+    argmax of each). Float rows of other probabilities (soft targets, smoothed labels) are left as they are, for a
+    loss of the user's; integer rows that are not one-hot (multi-hot) are one sentence. Returns C, or 0 when no split's
+    labels were one-hot; splits of different widths are one sentence."""
     widths = {}
     for split, name in zip(splits, names):
         labels = None if split is None else split.labels
