@@ -41,7 +41,13 @@ def pytest_xdist_auto_num_workers(config):
     4, the tests that launch 2-3 processes each would crowd the cores their timeouts are measured on.
     Run directories, ports, network namespaces and Slurm clusters are each test's own; what the workers
     share ($BRICKYARD_CACHE: decoded data sets, precision measurements) is written atomically, as for two
-    users at once."""
+    users at once.
+
+    Where the time goes (2026-11-26, the same CPU, each process's CPU time logged at its exit): the suite starts
+    about 670 Python processes, 571 of them import torch, and ``import torch`` alone costs 3.3-3.7 CPU-seconds
+    there, so torch's import is about 2,000 of the suite's 2,700 CPU-seconds; the cores are busy throughout. A
+    faster suite needs fewer processes, not more workers. ``OMP_WAIT_POLICY=PASSIVE`` changed nothing (25:53
+    against 26:18 and 27:20): the tests pin one thread a process, so no OpenMP team spins."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
     return max(1, min(4, cores))
 
