@@ -237,6 +237,23 @@ def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     assert not model_reads_channels_last(mlp, torch.zeros(2, 16, 16, 3)) and mlp.training
 
 
+def test_fit_takes_bytes_that_are_not_images_as_it_takes_their_floats(tmp_path):
+    """N x F uint8 features (not images): scaled to [0, 1] as images' bytes are, so the same weights as x / 255.0;
+    the images' 1 x C x 1 x 1 mean and std made this a RuntimeError in the batch's preparation. fp32, one thread."""
+    import numpy as np
+    x, y = np.random.default_rng(0).integers(0, 256, (64, 4)).astype(np.uint8), np.arange(64) % 3
+    cfg = {"train": {"max_steps": 3, "device": "cpu", "progress": "none", "plots": False, "tensorboard": False,
+                     "precision": "fp32", "threads": 1}, "data": {"batch_size": 16}}
+    weights = []
+    for name, inputs in (("bytes", x), ("floats", (x / 255.0).astype(np.float32))):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        s = api.fit(model, (inputs, y), val_data=(inputs, y), config=cfg, run_dir=tmp_path / name)
+        assert s["steps"] == 3 and s["val_accuracy"] is not None
+        weights.append(model.state_dict())
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
+
+
 def test_predict_reads_a_modules_inputs_as_fit_trained_it(tmp_path):
     """fit scales uint8 images to [0, 1]; predict on the module fed them as 0..255 floats, so a model with batch norm
     scored 75.5% through predict against fit's own 84.95% on the same MNIST images. Now bytes, 0..255 int64 images

@@ -80,9 +80,9 @@ class DevicePrep:
                 x = x.contiguous(memory_format=torch.channels_last)
             if ra is not None:
                 self.gen.manual_seed(draw_seed(self.seed, step, RAND_AUGMENT))
-                x = ra(x.float().div_(255.0), self.gen, n_all, span).sub_(self.mean).div_(self.std)
+                x = self._normalise(ra(x.float().div_(255.0), self.gen, n_all, span))
             else:
-                x = x.float().div_(255.0).sub_(self.mean).div_(self.std)  # (x / 255 - mean) / std in place: 3.5x faster
+                x = self._normalise(x.float().div_(255.0))  # (x / 255 - mean) / std in place: 3.5x faster
         if (x.is_floating_point() or x.dtype == torch.bool) and x.dtype != self.float_dtype:
             x = x.to(self.float_dtype)  # after the bytes' scaling in float32, for a float64 model too
         if train and self.augment != "none" and self.shift > 0:
@@ -98,6 +98,14 @@ class DevicePrep:
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """``(x - mean) / std`` in place, over the channels of N x C x H x W images; a one-value mean and std (a
+        user's data: 0 and 1) over inputs of any other shape, such as N x F bytes, which the images' 1 x C x 1 x 1
+        broadcast turned into a RuntimeError ("output with shape [64, 4] doesn't match the broadcast shape")."""
+        if x.dim() == 4 or self.mean.numel() > 1:
+            return x.sub_(self.mean).div_(self.std)
+        return x.sub_(self.mean.view(())).div_(self.std.view(()))
 
     def train(self, x: torch.Tensor, y: torch.Tensor, step: int, n_global: int, offset: int = 0):
         """A training batch: ``(inputs, targets)`` prepared and augmented; with mixup or cutmix the
