@@ -17,7 +17,7 @@ from PIL import Image
 from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.data import _input_dtypes, layout
 from brickyard.data.bundle import Split
-from brickyard.data.augment import float_dtype
+from brickyard.data.augment import DevicePrep, float_dtype
 from brickyard.data.imagefolder import BAD_IMAGE, GREY, IMAGE_EXT, as_uint8, files_under, why_bad
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
@@ -123,15 +123,12 @@ def _as_batch(inputs, meta: dict) -> torch.Tensor:
 def _as_fit_reads(x: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     """A module's inputs as ``fit`` trains on its tensors: ``brickyard.data._input_dtypes`` (images of another integer
     type whose values all lie in 0..255 read as bytes, other integer images, floats and boolean images cast to the
-    model's float dtype, other integers such as token ids left alone), then what ``DevicePrep`` does to a batch of a
-    user's data (mean 0, std 1): bytes scaled to [0, 1], booleans cast. Before, bytes reached the module as 0..255
-    floats although ``fit`` had trained it on [0, 1]."""
+    model's float dtype, other integers such as token ids left alone), then ``DevicePrep`` as for a batch of a user's
+    data (mean 0, std 1, no augmentation): bytes scaled to [0, 1], floats and booleans cast. Before, bytes reached
+    the module as 0..255 floats although ``fit`` had trained it on [0, 1]."""
     held = Split(x)
     _input_dtypes([held], model)
-    x, want = held.images, float_dtype(model)
-    if x.dtype == torch.uint8:
-        return x.float().div_(255.0).to(want)
-    return x.to(want) if x.dtype == torch.bool else x
+    return DevicePrep((0.0,), (1.0,), float_dtype=float_dtype(model))(held.images)
 
 
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
