@@ -21,6 +21,7 @@ reading the loss is not a device sync, the NaN guard reads it every step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 import time
 
 import torch
@@ -149,9 +150,10 @@ def optimizer_step(run, batches, totals: Totals) -> StepResult:
 
 
 def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs, as a pair or a dict of
-    ``loss`` and ``outputs`` (Lightning's ``training_step`` may return a dict with ``loss``; the other keys are ignored
-    here, as Lightning hands them to its callbacks only)."""
+    """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs, as a pair or a mapping
+    of ``loss`` and ``outputs``. Lightning reads a ``training_step`` that returns a Mapping by its ``loss`` key and
+    refuses one without it; the other keys go to its callbacks only (``ClosureResult.from_training_step_output`` in
+    src/lightning/pytorch/loops/optimization/automatic.py); here they are ignored."""
     e = run._engine
     e.backward_done = False
     fn = e.step_fn
@@ -164,12 +166,12 @@ def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
             if fn is default_step:
                 raise
             raise user_code_error(f"train_step {_name(fn)}", err) from err
-    if isinstance(result, dict) and "loss" in result:  # Lightning's training_step may return {"loss": ..., ...}
+    if isinstance(result, Mapping) and "loss" in result:  # Lightning's training_step may return {"loss": ..., ...}
         result = (result["loss"], result.get("outputs"))
     loss, out = result if isinstance(result, tuple) else (result, None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        keys = f" with keys {', '.join(map(repr, list(result)[:4]))} and no 'loss'" if isinstance(result, dict) else ""
+        keys = f" with keys {', '.join(map(repr, list(result)[:4]))} and no 'loss'" if isinstance(result, Mapping) else ""
         raise BrickyardError(f"train_step {_name(fn)} must return the mean loss as a 0-dim tensor (or (loss, outputs), or "
                              f"{{'loss': loss, 'outputs': outputs}}); it returned {got}{keys}.")
     if not e.backward_done and not loss.requires_grad:
