@@ -3,6 +3,7 @@ the user reads. None may end in a traceback, a hang, a signal death or code exec
 change a byte of a run written before it (logs may only grow). Add a row for every case found later.
 
 Every case runs the real command line (fp32, one thread, synthetic data or small files made here)."""
+import json
 import os
 import re
 import struct
@@ -355,6 +356,71 @@ def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     with pytest.raises(DataError, match=re.escape("num_classes is 5 but the one-hot labels have 4 columns.")):
         fit(torch.nn.Linear(36, 5), (images, one_hot), num_classes=5, run_dir=tmp_path / "n", overrides=ov)
     assert not any((tmp_path / name).exists() for name in ("widths", "n", "multi"))
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """A Dataset of (input, target) pairs, targets as given: one-hot rows, class indices or a regression's values."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_are_not(tmp_path):
+    """A Dataset whose items carry one-hot float rows (its labels are read batch by batch, so ``fit`` cannot turn
+    them into indices up front): validation and test accuracy, the confusion matrix and the error gallery are
+    those of the same run on class indices, the rows read by their largest share as Keras's
+    ``categorical_accuracy`` reads them. Before, the training accuracy was scored this way and validation and test
+    had none. Float rows that are not class probabilities (a regression of several values) get no accuracy,
+    in training either: before, training scored them as classes. Mixup and cutmix take the rows as they are.
+    Before, they failed on them."""
+    from brickyard import fit
+    torch.manual_seed(0)
+    x = torch.randn(96, 1, 4, 4)  # images, so the test pass keeps its errors for the gallery
+    labels = (x.flatten(1) @ torch.randn(16, 4)).argmax(1)
+    rows = torch.nn.functional.one_hot(labels, 4).float()
+    ov = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.epochs=2", "train.tensorboard=false",
+          "data.batch_size=16", "train.seed=3", "data.num_workers=0", "optim.lr=0.05"]
+    runs = {}
+    for kind, y in (("indices", labels), ("rows", rows)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        s = fit(model, _Pairs(x[:64], y[:64]), _Pairs(x[64:80], y[64:80]), _Pairs(x[80:], y[80:]),
+                run_dir=tmp_path / kind, overrides=ov)
+        runs[kind] = s, model.state_dict()
+    (s_i, w_i), (s_r, w_r) = runs["indices"], runs["rows"]
+    assert s_r["val_accuracy"] is not None and s_r["test_accuracy"] is not None
+    assert (s_r["val_accuracy"], s_r["test_accuracy"]) == (s_i["val_accuracy"], s_i["test_accuracy"])
+    assert all(torch.allclose(w_i[k], w_r[k], atol=1e-6) for k in w_i)
+    read = [json.loads(line) for line in (tmp_path / "rows" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train_accuracy"] is not None for r in read if r["kind"] == "val")
+    test_i, test_r = (next(r for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())
+                           if r["kind"] == "test") for k in ("indices", "rows"))
+    assert test_r["confusion"] == test_i["confusion"] and sum(map(sum, test_r["confusion"])) == 16
+    errors_i, errors_r = (torch.load(tmp_path / k / "test_errors.pt") for k in ("indices", "rows"))
+    assert len(errors_r["true"]) and torch.equal(errors_r["true"], errors_i["true"])
+    mixed = {}
+    for kind, y in (("indices", labels), ("rows", rows)):  # mixup and cutmix mix the rows as they mix indices' one-hots
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+        s = fit(model, _Pairs(x[:64], y[:64]), _Pairs(x[64:80], y[64:80]), run_dir=tmp_path / f"mixed-{kind}",
+                overrides=ov + ["data.mixup=0.8", "data.cutmix=1.0", "train.plots=false"])
+        mixed[kind] = s["val_accuracy"], model.state_dict()
+    assert mixed["rows"][0] == mixed["indices"][0] is not None
+    assert all(torch.allclose(mixed["rows"][1][k], mixed["indices"][1][k], atol=1e-6) for k in mixed["rows"][1])
+    torch.manual_seed(0)
+    reg = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    values = x.flatten(1) @ torch.randn(16, 4)  # several values a sample, not probabilities
+    s = fit(reg, _Pairs(x[:64], values[:64]), _Pairs(x[64:80], values[64:80]), run_dir=tmp_path / "regression",
+            overrides=ov, loss_fn=torch.nn.functional.mse_loss)
+    assert s["steps"] == 8 and s["val_accuracy"] is None and s["test_accuracy"] is None
+    read = [json.loads(line) for line in (tmp_path / "regression" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("train_accuracy") for r in read if r["kind"] == "val"] == [None, None]
 
 
 @pytest.mark.parametrize("gap", [0.0, 0.3])

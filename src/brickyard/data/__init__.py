@@ -180,8 +180,11 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         raise DataError(f"train_data: each input must be a tensor or NumPy array, got {type(sample).__name__}.")
     shape = tuple(sample.shape)
     classify = not (isinstance(label, torch.Tensor) and label.is_floating_point()) and not isinstance(label, float)
+    rows = tuple(np.shape(label)) if not classify or isinstance(label, np.ndarray) else ()
     if num_classes is None:
-        if not classify:
+        if len(rows) == 1 and rows[0] > 1:
+            num_classes = rows[0]  # rows of class probabilities (a Dataset's one-hot rows, soft targets): their width
+        elif not classify:
             num_classes = 0
         elif first.labels is None:
             num_classes = _output_width(model, sample)
@@ -218,10 +221,10 @@ def _validation_of(train: Split, val: Split | None, fraction: float) -> tuple[Sp
 
 def _one_hot_labels(splits, names, notes: list[str]) -> int:
     """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
-    ``get_dummies`` booleans) read as the class indices they encode, so a run scores accuracy and label smoothing
-    applies, as Keras's ``accuracy`` metric reads one-hot targets as classes (its ``categorical_accuracy``: the
-    argmax of each). Float rows of other probabilities (soft targets, smoothed labels) are left as they are, for a
-    loss of the user's; integer rows that are not one-hot (multi-hot) are one sentence. Returns C, or 0 when no split's
+    ``get_dummies`` booleans) read as the class indices they encode, so label smoothing applies and the data's
+    classes are counted. Float rows of other probabilities (soft targets, smoothed labels) are left as they are,
+    for the loss, and scored by their largest share (``metrics.class_targets``, as Keras's ``categorical_accuracy``);
+    integer rows that are not one-hot (multi-hot) are one sentence. Returns C, or 0 when no split's
     labels were one-hot; splits of different widths are one sentence."""
     widths = {}
     for split, name in zip(splits, names):

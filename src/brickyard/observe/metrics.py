@@ -1,8 +1,9 @@
 """Metrics accumulated on the device and combined across ranks.
 
 ``EvalAccumulator`` keeps sums (loss, top-1, top-5, count) and, for class logits, a confusion matrix
-as device tensors; nothing is read back until ``result()``, after one all-reduce. Outputs that are
-not class logits (a regression, a user's loss on other targets) get the loss alone.
+as device tensors; nothing is read back until ``result()``, after one all-reduce, but whether rows of
+float targets are class probabilities, checked once on the first batch. Outputs that are not class
+logits (a regression, a user's loss on other targets) get the loss alone.
 """
 from __future__ import annotations
 
@@ -13,8 +14,27 @@ from brickyard.distributed import process as dist
 
 
 def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
-    """Outputs are class logits (N x C) for integer targets (N): accuracy and the confusion matrix apply."""
-    return out.dim() == 2 and y.dim() == 1 and not y.is_floating_point() and out.shape[1] > 1
+    """Outputs are class logits (N x C) for class targets: integer labels (N), or rows of class probabilities
+    shaped as the outputs (non-negative, each summing to 1: the one-hot rows a Dataset gives, mixed targets), so
+    accuracy and the confusion matrix apply. Other float targets (a regression's, several values a sample) are
+    not classes. Rows are checked on the batch given (one host sync), which callers do once."""
+    if out.dim() != 2 or out.shape[1] < 2:
+        return False
+    if y.dim() == 1:
+        return not y.is_floating_point()
+    if y.dim() != 2 or not y.is_floating_point() or y.shape != out.shape:
+        return False
+    rows = y.detach().float()
+    return bool(((rows >= 0).all() & ((rows.sum(1) - 1).abs() <= 1e-2).all()).item())
+
+
+def class_targets(y: torch.Tensor) -> torch.Tensor:
+    """The classes accuracy is scored against, once ``is_classification`` has said the targets are classes: rows
+    of class probabilities read as the class of their largest share, as Keras's ``categorical_accuracy`` and
+    ``top_k_categorical_accuracy`` read ``y_true`` (``ops.argmax(y_true, axis=-1)``;
+    keras/src/metrics/accuracy_metrics.py at commit 040582f); class indices as they are. The loss still reads
+    the rows themselves."""
+    return y.argmax(1) if y.dim() == 2 else y
 
 
 def _cross_entropy_sum(logits, y):
@@ -35,6 +55,7 @@ class EvalAccumulator:
             self.with_confusion = self.classify and out.shape[1] == self.c
         loss = self.loss_sum(out, y).double()
         count = torch.tensor(float(len(y)), device=y.device, dtype=torch.float64)
+        y = class_targets(y) if self.classify else y
         if not self.classify:
             self.sums += torch.stack([loss, loss.new_zeros(()), loss.new_zeros(()), count])
             return None

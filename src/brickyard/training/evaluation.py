@@ -11,7 +11,7 @@ from brickyard.data import Split
 from brickyard.data.loaders import eval_batches, eval_count
 from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
-from brickyard.observe.metrics import EvalAccumulator
+from brickyard.observe.metrics import EvalAccumulator, class_targets
 from brickyard.observe.plots import plot_runs
 from brickyard.files import write_json, write_torch
 from brickyard.training import device as dev
@@ -39,9 +39,11 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank, num_workers, limit):
-            pred = acc.update(forward(x), y)
+            out = forward(x)
+            pred = acc.update(out, y)
             done += 1
             if pred is not None and kept < keep_errors:
+                y = class_targets(y)
                 wrong = (pred != y).nonzero().flatten()[:keep_errors - kept]
                 errors.append((x[wrong].cpu(), y[wrong].cpu(), pred[wrong].cpu()))
                 kept += len(wrong)

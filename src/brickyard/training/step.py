@@ -33,7 +33,7 @@ from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, DataError, user_code_error
 from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
-from brickyard.observe.metrics import is_classification
+from brickyard.observe.metrics import class_targets, is_classification
 from brickyard.optim import l1_penalty, set_lr
 from brickyard.training import device as dev
 from brickyard.training.run import StepResult
@@ -83,13 +83,11 @@ class Totals:
         self.count, self.group, self.classify = 0, group, None
 
     def add(self, loss_sum: torch.Tensor, out: torch.Tensor | None, y: torch.Tensor) -> None:
-        if out is not None and y.dim() == 2 and y.is_floating_point() and y.shape == out.shape:
-            y = y.argmax(1)  # mixed targets (class probabilities): accuracy against the larger share
         self.loss.add_(loss_sum.detach())
         if self.classify is None:
             self.classify = out is not None and is_classification(out, y)
-        if self.classify and out is not None:
-            self.correct.add_((out.detach().argmax(1) == y).sum())
+        if self.classify and out is not None:  # one-hot rows, mixed targets: against the largest share
+            self.correct.add_((out.detach().argmax(1) == class_targets(y)).sum())
         self.count += len(y)
 
     def read(self) -> list[float]:
