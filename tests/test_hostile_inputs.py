@@ -423,6 +423,54 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
     assert [r.get("train_accuracy") for r in read if r["kind"] == "val"] == [None, None]
 
 
+def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
+    """A DataLoader, as Lightning and Accelerate users hand one over: read as its Dataset, its batch per device
+    (Accelerate's reading), the same weights as the Dataset with that ``data.batch_size``; ``batch_size=`` still
+    wins. A loader that samples, batches or collates in its own way is one sentence, and no run directory is
+    made: brickyard would otherwise drop what it does. Before, any DataLoader was refused."""
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
+    from brickyard import fit
+    from brickyard.errors import DataError
+    torch.manual_seed(0)
+    x = torch.randn(96, 1, 4, 4)
+    labels = (x.flatten(1) @ torch.randn(16, 4)).argmax(1)
+    ds, val = _Pairs(x[:80], labels[:80]), _Pairs(x[80:], labels[80:])
+    ov = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.epochs=1", "train.plots=false",
+          "train.tensorboard=false", "train.seed=3", "data.num_workers=0"]
+    runs = {}
+    for kind, train, test, extra in (("dataset", ds, val, ["data.batch_size=16", "data.eval_batch_size=7"]),
+                                     ("loader", DataLoader(ds, batch_size=16, shuffle=True), DataLoader(val, batch_size=7), [])):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+        runs[kind] = fit(model, train, test_data=test, run_dir=tmp_path / kind, overrides=ov + extra), model.state_dict()
+    (s_d, w_d), (s_l, w_l) = runs["dataset"], runs["loader"]
+    assert s_l["steps"] == s_d["steps"] == 5 and s_l["test_accuracy"] == s_d["test_accuracy"] is not None
+    assert all(torch.equal(w_d[k], w_l[k]) for k in w_d)
+    log = (tmp_path / "loader" / "train.log").read_text()
+    assert "train_data: a DataLoader, read as its Dataset with its batch of 16 per device (data.batch_size)" in log
+    assert "test_data: a DataLoader, read as its Dataset with its batch of 7 (data.eval_batch_size)" in log
+    s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4)), DataLoader(ds, batch_size=16),
+            batch_size=40, run_dir=tmp_path / "keyword", overrides=ov)
+    assert s["steps"] == 2  # Keras's batch_size= names the global batch and wins over the loader's
+    plain = DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 20, drop_last=False))
+    assert fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4)), plain, run_dir=tmp_path / "sampler",
+               overrides=ov)["steps"] == 4
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(x, labels))
+
+    refused = {"weighted": (DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler([1.0] * 80, 80)),
+                            "train_data: the DataLoader samples with its own WeightedRandomSampler; brickyard shuffles"),
+               "collate": (DataLoader(ds, batch_size=16, collate_fn=list), "collates with its own collate_fn (list)"),
+               "unbatched": (DataLoader(ds, batch_size=None), "the DataLoader batches nothing (batch_size=None)"),
+               "stream": (DataLoader(Stream(), batch_size=16), "train_data: the DataLoader streams an IterableDataset (Stream)")}
+    for name, (loader, said) in refused.items():
+        with pytest.raises(DataError, match=re.escape(said)):
+            fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4)), loader, run_dir=tmp_path / name, overrides=ov)
+        assert not (tmp_path / name).exists()
+
+
 @pytest.mark.parametrize("gap", [0.0, 0.3])
 def test_a_second_ctrl_c_during_shutdown_prints_nothing_more(tmp_path, gap):
     """Ctrl-C saves a checkpoint and exits 130; a second one, at once or a moment later, ends it without a

@@ -13,7 +13,7 @@ from torch import nn
 
 from brickyard import models
 from brickyard.config import Config, build, load_config
-from brickyard.data import DataBundle, build_data, from_user
+from brickyard.data import DataBundle, build_data, from_loaders, from_user
 from brickyard.data.augment import DevicePrep, float_dtype
 from brickyard.distributed import env as dist_env
 from brickyard.errors import ConfigError
@@ -52,8 +52,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
-    images N x C x H x W, uint8 0-255 or float, points, signals) or a ``torch.utils.data.Dataset`` of
-    pairs. Integer labels are classes: their count is the largest label + 1, or for a Dataset the width
+    images N x C x H x W, uint8 0-255 or float, points, signals), a ``torch.utils.data.Dataset`` of
+    pairs, or a ``DataLoader`` of one (its batch per device; ``data.from_loaders``). Integer labels are classes: their count is the largest label + 1, or for a Dataset the width
     of the model's output (``num_classes`` overrides both). One-hot label rows (Keras's ``to_categorical``)
     are read as the classes they encode. Accuracy and the confusion matrix are reported when the outputs are
     class logits (N x C) for integer labels or for rows of class probabilities (a Dataset's one-hot rows, soft
@@ -81,8 +81,9 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(overrides, str):
         overrides = [overrides]  # one KEY=VALUE, not its characters
+    (train_data, val_data, test_data), from_loader, loader_notes = from_loaders(train_data, val_data, test_data)
     keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split}
-    overrides = [*overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
+    overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
         raise ConfigError("optim.lr: find runs the range test on the registry models of `brickyard train`; for your own "
@@ -91,6 +92,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
     data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
                      transforms=cfg.data)
+    data.notes[:0] = loader_notes
     models.initialise(model, cfg.model.init)
     if cfg.model.whiten:
         models.whiten(model, data, type(model).__name__)

@@ -317,6 +317,54 @@ def _output_width(model, sample: torch.Tensor) -> int:
     return out.shape[1]
 
 
+def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]]:
+    """DataLoaders given to ``fit`` read as the Datasets they load: returns the three splits (a loader's
+    ``dataset`` in its place), the overrides the loaders ask for and notes for the run's log. The training
+    loader's ``batch_size`` is the per-device batch (``data.batch_size``) and an evaluation loader's the
+    evaluation batch, as Accelerate's ``prepare_data_loader`` keeps a loader's batch for each process
+    (``split_batches=False``: src/accelerate/data_loader.py at commit 000e52b); ``num_workers`` above 0 is
+    kept. brickyard shuffles and shards the data itself (its ``BatchPlan``), so a loader that samples or
+    collates in its own way (another sampler or batch sampler, a ``collate_fn``, an IterableDataset, no
+    batching) is one sentence rather than a run that silently drops what it does; Accelerate and Lightning
+    wrap such samplers, which brickyard does not."""
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+    out, sets, notes = [], [], []
+    for data, name, batch_key in ((train, "train_data", "data.batch_size"), (val, "val_data", "data.eval_batch_size"),
+                                  (test, "test_data", "data.eval_batch_size")):
+        if not isinstance(data, DataLoader):
+            out.append(data)
+            continue
+        if isinstance(data.dataset, IterableDataset):
+            raise DataError(f"{name}: the DataLoader streams an IterableDataset ({type(data.dataset).__name__}); brickyard "
+                            f"shuffles and shards a Dataset that has len() and [i], so give one of those.")
+        batches = data.batch_sampler
+        sampler = batches.sampler if type(batches) is BatchSampler else None
+        own = None
+        if batches is None:
+            own = "batches nothing (batch_size=None)"
+        elif type(batches) is not BatchSampler:
+            own = f"batches with its own {type(batches).__name__}"
+        elif type(sampler) not in (RandomSampler, SequentialSampler) or (
+                isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples)):
+            own = f"samples with its own {type(sampler).__name__}"
+        elif data.collate_fn is not torch.utils.data.default_collate:
+            fn = getattr(data.collate_fn, "__name__", type(data.collate_fn).__name__)
+            own = f"collates with its own collate_fn ({fn})"
+        if own:
+            raise DataError(f"{name}: the DataLoader {own}; brickyard shuffles, shards and batches a Dataset itself, so "
+                            f"pass its Dataset (loader.dataset), items as (input, label) pairs, and data.batch_size.")
+        out.append(data.dataset)
+        if batch_key not in (k for k, _ in sets):
+            sets.append((batch_key, batches.batch_size))
+        workers = f" and {data.num_workers} loader workers" if data.num_workers and name == "train_data" else ""
+        if workers:
+            sets.append(("data.num_workers", data.num_workers))
+        per = "per device " if name == "train_data" else ""
+        notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} {per}"
+                     f"({batch_key}){workers}" + ("; brickyard shuffles and shards it" if name == "train_data" else ""))
+    return out, [f"{k}={v}" for k, v in sets], notes
+
+
 def _user_split(data, name: str) -> Split | None:
     if data is None:
         return None
