@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from brickyard.data import augment, cifar, idx, items
 from brickyard.data.bundle import DataBundle, Split, held_out
@@ -327,7 +328,6 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
     collates in its own way (another sampler or batch sampler, a ``collate_fn``, an IterableDataset, no
     batching) is one sentence rather than a run that silently drops what it does; Accelerate and Lightning
     wrap such samplers, which brickyard does not."""
-    from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
     out, sets, notes = [], [], []
     for data, name, batch_key in ((train, "train_data", "data.batch_size"), (val, "val_data", "data.eval_batch_size"),
                                   (test, "test_data", "data.eval_batch_size")):
