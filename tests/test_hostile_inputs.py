@@ -378,7 +378,8 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
     ``categorical_accuracy`` reads them. Before, the training accuracy was scored this way and validation and test
     had none. Float rows that are not class probabilities (a regression of several values) get no accuracy,
     in training either: before, training scored them as classes. Mixup and cutmix take the rows as they are.
-    Before, they failed on them."""
+    Before, they failed on them. ``F.one_hot``'s int64 rows, boolean rows and N x 1 indices train and score as the
+    indices do (each was torch's RuntimeError from the loss); rows of another width are one sentence."""
     from brickyard import fit
     torch.manual_seed(0)
     x = torch.randn(96, 1, 4, 4)  # images, so the test pass keeps its errors for the gallery
@@ -387,16 +388,21 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
     ov = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.epochs=2", "train.tensorboard=false",
           "data.batch_size=16", "train.seed=3", "data.num_workers=0", "optim.lr=0.05"]
     runs = {}
-    for kind, y in (("indices", labels), ("rows", rows)):
+    kinds = {"indices": labels, "rows": rows, "F.one_hot": torch.nn.functional.one_hot(labels, 4), "booleans": rows.bool(),
+             "N x 1": labels[:, None]}
+    for kind, y in kinds.items():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
         s = fit(model, _Pairs(x[:64], y[:64]), _Pairs(x[64:80], y[64:80]), _Pairs(x[80:], y[80:]),
-                run_dir=tmp_path / kind, overrides=ov)
+                run_dir=tmp_path / kind, overrides=ov + ["train.plots=" + str(kind in ("indices", "rows")).lower()])
         runs[kind] = s, model.state_dict()
-    (s_i, w_i), (s_r, w_r) = runs["indices"], runs["rows"]
-    assert s_r["val_accuracy"] is not None and s_r["test_accuracy"] is not None
-    assert (s_r["val_accuracy"], s_r["test_accuracy"]) == (s_i["val_accuracy"], s_i["test_accuracy"])
-    assert all(torch.allclose(w_i[k], w_r[k], atol=1e-6) for k in w_i)
+    s_i, w_i = runs["indices"]
+    for kind in kinds:  # F.one_hot's int64 and booleans crashed in the loss; N x 1 indices too
+        s_r, w_r = runs[kind]
+        assert s_r["val_accuracy"] is not None and s_r["test_accuracy"] is not None, kind
+        assert (s_r["val_accuracy"], s_r["test_accuracy"]) == (s_i["val_accuracy"], s_i["test_accuracy"]), kind
+        assert all(torch.allclose(w_i[k], w_r[k], atol=1e-6) for k in w_i), kind
+    s_r, w_r = runs["rows"]
     read = [json.loads(line) for line in (tmp_path / "rows" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train_accuracy"] is not None for r in read if r["kind"] == "val")
     test_i, test_r = (next(r for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())
@@ -421,6 +427,12 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
     assert s["steps"] == 8 and s["val_accuracy"] is None and s["test_accuracy"] is None
     read = [json.loads(line) for line in (tmp_path / "regression" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("train_accuracy") for r in read if r["kind"] == "val"] == [None, None]
+    from brickyard.errors import DataError
+    multi = torch.nn.functional.one_hot(labels, 4) + torch.nn.functional.one_hot((labels + 1) % 4, 4)
+    with pytest.raises(DataError, match=re.escape("train_data: item 0's label is a row of 4 integers but not one-hot")):
+        fit(reg, _Pairs(x, multi), run_dir=tmp_path / "multi-hot", overrides=ov)
+    with pytest.raises(DataError, match=re.escape("a batch has outputs (16, 4) and targets (16, 5) of int64")):
+        fit(reg, _Pairs(x, torch.nn.functional.one_hot(labels, 5)), run_dir=tmp_path / "wider", overrides=ov)
 
 
 def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):

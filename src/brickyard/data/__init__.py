@@ -177,6 +177,11 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         if not isinstance(label, (int, float, np.number, np.ndarray, torch.Tensor)):
             raise DataError(f"train_data: item 0's label is {type(label).__name__}; labels are class indices (int), "
                             f"numbers, or tensors of class probabilities.")
+        row = torch.as_tensor(label) if isinstance(label, (np.ndarray, torch.Tensor)) else None
+        if (row is not None and row.dim() == 1 and len(row) > 1 and not row.is_floating_point() and not own_loss
+                and not (((row == 0) | (row == 1)).all() and int(row.sum()) == 1)):
+            raise DataError(f"train_data: item 0's label is a row of {len(row)} integers but not one-hot (a single 1); "
+                            f"give class indices or one-hot rows, or pass loss_fn for several labels a sample.")
     if not isinstance(sample, torch.Tensor):
         raise DataError(f"train_data: each input must be a tensor or NumPy array, got {type(sample).__name__}.")
     shape = tuple(sample.shape)

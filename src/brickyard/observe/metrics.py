@@ -15,14 +15,15 @@ from brickyard.distributed import process as dist
 
 def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
     """Outputs are class logits (N x C) for class targets: integer labels (N), or rows of class probabilities
-    shaped as the outputs (non-negative, each summing to 1: the one-hot rows a Dataset gives, mixed targets), so
+    shaped as the outputs (non-negative, each summing to 1: the one-hot rows a Dataset gives, float or
+    ``F.one_hot``'s integers, mixed targets), so
     accuracy and the confusion matrix apply. Other float targets (a regression's, several values a sample) are
     not classes. Rows are checked on the batch given (one host sync), which callers do once."""
     if out.dim() != 2 or out.shape[1] < 2:
         return False
-    if y.dim() == 1:
+    if y.dim() == 1 or (y.dim() == 2 and y.shape[1] == 1):  # N x 1 indices, as Keras's sparse accuracy squeezes
         return not y.is_floating_point()
-    if y.dim() != 2 or not y.is_floating_point() or y.shape != out.shape:
+    if y.dim() != 2 or y.shape != out.shape:
         return False
     rows = y.detach().float()
     return bool(((rows >= 0).all() & ((rows.sum(1) - 1).abs() <= 1e-2).all()).item())
@@ -33,12 +34,26 @@ def class_targets(y: torch.Tensor) -> torch.Tensor:
     of class probabilities read as the class of their largest share, as Keras's ``categorical_accuracy`` and
     ``top_k_categorical_accuracy`` read ``y_true`` (``ops.argmax(y_true, axis=-1)``;
     keras/src/metrics/accuracy_metrics.py at commit 040582f); class indices as they are. The loss still reads
-    the rows themselves."""
-    return y.argmax(1) if y.dim() == 2 else y
+    the rows themselves; N x 1 indices as N."""
+    if y.dim() == 2 and y.shape[1] == 1:
+        return y[:, 0]
+    return (y.byte() if y.dtype == torch.bool else y).argmax(1) if y.dim() == 2 else y
+
+
+def cross_entropy_targets(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Targets as ``F.cross_entropy`` takes them: integer or boolean rows shaped as the outputs (``F.one_hot``
+    gives int64, pandas' ``get_dummies`` booleans) as the float class probabilities they are; N x 1 class
+    indices (a Dataset's labels as 1-element tensors) as N; others as given."""
+    if y.dim() == 2 and not y.is_floating_point():
+        if y.shape[1] == 1 and out.dim() == 2 and out.shape[1] > 1:
+            return y[:, 0]
+        if y.shape == out.shape:
+            return y.float()
+    return y
 
 
 def _cross_entropy_sum(logits, y):
-    return F.cross_entropy(logits.float(), y, reduction="sum")
+    return F.cross_entropy(logits.float(), cross_entropy_targets(logits, y), reduction="sum")
 
 
 class EvalAccumulator:

@@ -30,10 +30,10 @@ from torch import nn
 
 from brickyard.data.augment import DROP_PATH, draw_seed
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, DataError, user_code_error
+from brickyard.errors import BrickyardError, DataError, reason, user_code_error
 from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
-from brickyard.observe.metrics import class_targets, is_classification
+from brickyard.observe.metrics import class_targets, cross_entropy_targets, is_classification
 from brickyard.optim import l1_penalty, set_lr
 from brickyard.training import device as dev
 from brickyard.training.run import StepResult
@@ -44,9 +44,17 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
     if loss_fn is None:
         def cross_entropy_sum(out, y):
             try:
-                return F.cross_entropy(out.float(), y, reduction="sum", label_smoothing=label_smoothing)
+                return F.cross_entropy(out.float(), cross_entropy_targets(out, y), reduction="sum",
+                                       label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # targets of another shape or type than cross-entropy takes
+                raise DataError(f"the default cross-entropy takes class indices (N) or rows of class probabilities "
+                                f"(N x C) for outputs N x C; a batch has outputs {tuple(out.shape)} and targets "
+                                f"{tuple(y.shape)} of {str(y.dtype).replace('torch.', '')} ({reason(e)}); fix the labels "
+                                f"or pass loss_fn.") from e
         return cross_entropy_sum
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
