@@ -48,9 +48,11 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
                                        label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
-            except torch.OutOfMemoryError:
-                raise
             except RuntimeError as e:  # targets of another shape or type than cross-entropy takes
+                t = cross_entropy_targets(out, y)
+                if isinstance(e, torch.OutOfMemoryError) or (t.shape == out.shape and t.is_floating_point()) or (
+                        t.dim() == 1 and len(t) == len(out) and not t.is_floating_point()):
+                    raise  # targets of a form it takes: the error is another's
                 raise DataError(f"the default cross-entropy takes class indices (N) or rows of class probabilities "
                                 f"(N x C) for outputs N x C; a batch has outputs {tuple(out.shape)} and targets "
                                 f"{tuple(y.shape)} of {str(y.dtype).replace('torch.', '')} ({reason(e)}); fix the labels "
