@@ -186,7 +186,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         raise DataError(f"train_data: each input must be a tensor or NumPy array, got {type(sample).__name__}.")
     shape = tuple(sample.shape)
     classify = not (isinstance(label, torch.Tensor) and label.is_floating_point()) and not isinstance(label, float)
-    rows = tuple(np.shape(label)) if not classify or isinstance(label, np.ndarray) else ()
+    rows = tuple(label.shape) if isinstance(label, (np.ndarray, torch.Tensor)) else ()
     if num_classes is None:
         if len(rows) == 1 and rows[0] > 1:
             num_classes = rows[0]  # rows of class probabilities (a Dataset's one-hot rows, soft targets): their width
