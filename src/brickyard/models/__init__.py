@@ -64,7 +64,7 @@ def _takers(key: str) -> list[str]:
     return [n for n, (f, _) in _REGISTRY.items() if key in inspect.signature(f).parameters]
 
 
-NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28), "fashion_fast": (1, 28), "fashion_wide": (1, 28),
+NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28), "fashion_fast": (1, 28), "fashion_lean": (1, 28), "fashion_wide": (1, 28),
                  "resnet18": (3, 32)}  # the rest are ImageNet layouts: 3 x 224 x 224
 
 
