@@ -411,14 +411,15 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
     errors_i, errors_r = (torch.load(tmp_path / k / "test_errors.pt") for k in ("indices", "rows"))
     assert len(errors_r["true"]) and torch.equal(errors_r["true"], errors_i["true"])
     mixed = {}
-    for kind, y in (("indices", labels), ("rows", rows)):  # mixup and cutmix mix the rows as they mix indices' one-hots
+    for kind, y in (("indices", labels), ("rows", rows), ("N x 1", labels[:, None])):  # mixed as indices' one-hots are
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
         s = fit(model, _Pairs(x[:64], y[:64]), _Pairs(x[64:80], y[64:80]), run_dir=tmp_path / f"mixed-{kind}",
                 overrides=ov + ["data.mixup=0.8", "data.cutmix=1.0", "train.plots=false"])
         mixed[kind] = s["val_accuracy"], model.state_dict()
-    assert mixed["rows"][0] == mixed["indices"][0] is not None
-    assert all(torch.allclose(mixed["rows"][1][k], mixed["indices"][1][k], atol=1e-6) for k in mixed["rows"][1])
+    for kind in ("rows", "N x 1"):
+        assert mixed[kind][0] == mixed["indices"][0] is not None, kind
+        assert all(torch.allclose(mixed[kind][1][k], mixed["indices"][1][k], atol=1e-6) for k in mixed[kind][1]), kind
     torch.manual_seed(0)
     reg = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     values = x.flatten(1) @ torch.randn(16, 4)  # several values a sample, not probabilities

@@ -179,6 +179,8 @@ def mix(x: torch.Tensor, y: torch.Tensor, strong: Strong, rng: random.Random, n_
     ``lam * onehot(y) + (1 - lam) * onehot(partner)``; label smoothing applies to these probabilities in
     the loss (``F.cross_entropy(label_smoothing=...)``), which equals timm's smoothed one-hots mixed."""
     n = x.shape[0]
+    if y.dim() == 2 and y.shape[1] == 1:
+        y = y[:, 0]  # a Dataset's labels as 1-element tensors
     onehot = y.float() if y.dim() == 2 else F.one_hot(y.long(), strong.num_classes).to(torch.float32)  # rows: as given
     if strong.mixup > 0 and strong.cutmix > 0:
         use_cutmix = rng.random() < 0.5

@@ -14,11 +14,11 @@ from brickyard.distributed import process as dist
 
 
 def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
-    """Outputs are class logits (N x C) for class targets: integer labels (N), or rows of class probabilities
-    shaped as the outputs (non-negative, each summing to 1: the one-hot rows a Dataset gives, float or
-    ``F.one_hot``'s integers, mixed targets), so
-    accuracy and the confusion matrix apply. Other float targets (a regression's, several values a sample) are
-    not classes. Rows are checked on the batch given (one host sync), which callers do once."""
+    """Outputs are class logits (N x C) for class targets: integer labels (N, or N x 1), or rows of class
+    probabilities shaped as the outputs (non-negative, each summing to 1: the one-hot rows a Dataset gives,
+    float or ``F.one_hot``'s integers, mixed targets), so accuracy and the confusion matrix apply. Other float
+    targets (a regression's, several values a sample) are not classes. Rows are checked on the batch given
+    (one host sync), which callers do once."""
     if out.dim() != 2 or out.shape[1] < 2:
         return False
     if y.dim() == 1 or (y.dim() == 2 and y.shape[1] == 1):  # N x 1 indices, as Keras's sparse accuracy squeezes
