@@ -53,8 +53,9 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
     images N x C x H x W, uint8 0-255 or float, points, signals), a ``torch.utils.data.Dataset`` of
-    pairs, or a ``DataLoader`` of one (its batch per device; ``data.from_loaders``). Integer labels are classes: their count is the largest label + 1, or for a Dataset the width
-    of the model's output (``num_classes`` overrides both). One-hot label rows (Keras's ``to_categorical``)
+    pairs, or a ``DataLoader`` of one (its batch per device; ``data.from_loaders``). Integer labels are
+    classes: their count is the largest label + 1, or for a Dataset the width of the model's output
+    (``num_classes`` overrides both). One-hot label rows (Keras's ``to_categorical``)
     are read as the classes they encode. Accuracy and the confusion matrix are reported when the outputs are
     class logits (N x C) for integer labels or for rows of class probabilities (a Dataset's one-hot rows, soft
     targets), scored by their largest share as Keras's ``categorical_accuracy`` scores them.

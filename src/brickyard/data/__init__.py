@@ -177,19 +177,19 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         if not isinstance(label, (int, float, np.number, np.ndarray, torch.Tensor)):
             raise DataError(f"train_data: item 0's label is {type(label).__name__}; labels are class indices (int), "
                             f"numbers, or tensors of class probabilities.")
-        row = torch.as_tensor(label) if isinstance(label, (np.ndarray, torch.Tensor)) else None
-        if (row is not None and row.dim() == 1 and len(row) > 1 and not row.is_floating_point() and not own_loss
-                and not (((row == 0) | (row == 1)).all() and int(row.sum()) == 1)):
-            raise DataError(f"train_data: item 0's label is a row of {len(row)} integers but not one-hot (a single 1); "
-                            f"give class indices or one-hot rows, or pass loss_fn for several labels a sample.")
     if not isinstance(sample, torch.Tensor):
         raise DataError(f"train_data: each input must be a tensor or NumPy array, got {type(sample).__name__}.")
     shape = tuple(sample.shape)
+    row = torch.as_tensor(label) if isinstance(label, (np.ndarray, torch.Tensor)) else None
+    # labels as rows (a Dataset's; held one-hot rows are indices by now): their width
+    width = len(row) if row is not None and row.dim() == 1 and len(row) > 1 else 0
+    if width and not row.is_floating_point() and not own_loss and not _one_hot(row[None]):
+        raise DataError(f"train_data: item 0's label is a row of {width} integers but not one-hot (a single 1); "
+                        f"give class indices or one-hot rows, or pass loss_fn for several labels a sample.")
     classify = not (isinstance(label, torch.Tensor) and label.is_floating_point()) and not isinstance(label, float)
-    rows = tuple(label.shape) if isinstance(label, (np.ndarray, torch.Tensor)) else ()
     if num_classes is None:
-        if len(rows) == 1 and rows[0] > 1:
-            num_classes = rows[0]  # rows of class probabilities (a Dataset's one-hot rows, soft targets): their width
+        if width:
+            num_classes = width  # rows of class probabilities (one-hot rows, soft targets)
         elif not classify:
             num_classes = 0
         elif first.labels is None:
@@ -225,6 +225,11 @@ def _validation_of(train: Split, val: Split | None, fraction: float) -> tuple[Sp
     return Split(train.images[tidx], train.labels[tidx]), Split(train.images[vidx], train.labels[vidx])
 
 
+def _one_hot(rows: torch.Tensor) -> bool:
+    """Every row of N x C ``rows`` holds a single 1 and zeros."""
+    return bool(((rows == 0) | (rows == 1)).all() and (rows.sum(1) == 1).all())
+
+
 def _one_hot_labels(splits, names, notes: list[str]) -> int:
     """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
     ``get_dummies`` booleans) read as the class indices they encode, so label smoothing applies and the data's
@@ -237,7 +242,7 @@ def _one_hot_labels(splits, names, notes: list[str]) -> int:
         labels = None if split is None else split.labels
         if labels is None or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
             continue
-        if not (((labels == 0) | (labels == 1)).all() and (labels.sum(1) == 1).all()):
+        if not _one_hot(labels):
             if not labels.is_floating_point():
                 raise DataError(f"{name}: labels are {len(labels)} x {labels.shape[1]} integers but not one-hot (a single 1 "
                                 f"a row); give class indices (N labels) or one-hot rows.")
@@ -333,7 +338,7 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
     collates in its own way (another sampler or batch sampler, a ``collate_fn``, an IterableDataset, no
     batching) is one sentence rather than a run that silently drops what it does; Accelerate and Lightning
     wrap such samplers, which brickyard does not."""
-    out, sets, notes = [], [], []
+    out, sets, notes = [], {}, []
     for data, name, batch_key in ((train, "train_data", "data.batch_size"), (val, "val_data", "data.eval_batch_size"),
                                   (test, "test_data", "data.eval_batch_size")):
         if not isinstance(data, DataLoader):
@@ -359,15 +364,17 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
             raise DataError(f"{name}: the DataLoader {own}; brickyard shuffles, shards and batches a Dataset itself, so "
                             f"pass its Dataset (loader.dataset), items as (input, label) pairs, and data.batch_size.")
         out.append(data.dataset)
-        if batch_key not in (k for k, _ in sets):
-            sets.append((batch_key, batches.batch_size))
-        workers = f" and {data.num_workers} loader workers" if data.num_workers and name == "train_data" else ""
-        if workers:
-            sets.append(("data.num_workers", data.num_workers))
-        per = "per device " if name == "train_data" else ""
-        notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} {per}"
-                     f"({batch_key}){workers}" + ("; brickyard shuffles and shards it" if name == "train_data" else ""))
-    return out, [f"{k}={v}" for k, v in sets], notes
+        sets.setdefault(batch_key, batches.batch_size)  # val_data's evaluation batch before test_data's
+        if name != "train_data":
+            notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} ({batch_key})")
+            continue
+        workers = ""
+        if data.num_workers:
+            sets["data.num_workers"] = data.num_workers
+            workers = f" and {data.num_workers} loader workers"
+        notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} per device "
+                     f"({batch_key}){workers}; brickyard shuffles and shards it")
+    return out, [f"{k}={v}" for k, v in sets.items()], notes
 
 
 def _user_split(data, name: str) -> Split | None:

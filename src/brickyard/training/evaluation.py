@@ -39,8 +39,7 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank, num_workers, limit):
-            out = forward(x)
-            pred = acc.update(out, y)
+            pred = acc.update(forward(x), y)
             done += 1
             if pred is not None and kept < keep_errors:
                 y = class_targets(y)

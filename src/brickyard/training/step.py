@@ -21,8 +21,8 @@ reading the loss is not a device sync, the NaN guard reads it every step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +43,12 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
     """``(outputs, targets) -> summed loss``: cross-entropy by default, else ``loss_fn``'s mean times the batch."""
     if loss_fn is None:
         def cross_entropy_sum(out, y):
+            t = cross_entropy_targets(out, y)
             try:
-                return F.cross_entropy(out.float(), cross_entropy_targets(out, y), reduction="sum",
-                                       label_smoothing=label_smoothing)
+                return F.cross_entropy(out.float(), t, reduction="sum", label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
             except RuntimeError as e:  # targets of another shape or type than cross-entropy takes
-                t = cross_entropy_targets(out, y)
                 if isinstance(e, torch.OutOfMemoryError) or (t.shape == out.shape and t.is_floating_point()) or (
                         t.dim() == 1 and len(t) == len(out) and not t.is_floating_point()):
                     raise  # targets of a form it takes: the error is another's
