@@ -440,8 +440,9 @@ def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
     """A DataLoader, as Lightning and Accelerate users hand one over: read as its Dataset, its batch per device
     (Accelerate's reading), the same weights as the Dataset with that ``data.batch_size``; ``batch_size=`` still
     wins. A loader that samples, batches or collates in its own way is one sentence, and no run directory is
-    made: brickyard would otherwise drop what it does. Before, any DataLoader was refused."""
-    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
+    made: brickyard would otherwise drop what it does (the samplers torch gives: tests/data/test_samplers.py).
+    Before, any DataLoader was refused."""
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
     from brickyard import fit
     from brickyard.errors import DataError
     torch.manual_seed(0)
@@ -473,9 +474,7 @@ def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
         def __iter__(self):
             return iter(zip(x, labels))
 
-    refused = {"weighted": (DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler([1.0] * 80, 80)),
-                            "train_data: the DataLoader samples with its own WeightedRandomSampler; brickyard shuffles"),
-               "collate": (DataLoader(ds, batch_size=16, collate_fn=list), "collates with its own collate_fn (list)"),
+    refused = {"collate": (DataLoader(ds, batch_size=16, collate_fn=list), "collates with its own collate_fn (list)"),
                "unbatched": (DataLoader(ds, batch_size=None), "the DataLoader batches nothing (batch_size=None)"),
                "stream": (DataLoader(Stream(), batch_size=16), "train_data: the DataLoader streams an IterableDataset (Stream)")}
     for name, (loader, said) in refused.items():

@@ -25,6 +25,15 @@ CELL = textwrap.dedent("""
         model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
         return brickyard.fit(model, points(), config=CONFIG, run_dir=run_dir)
 
+    def drawn(run_dir):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        x, y = points()
+        pairs = torch.utils.data.TensorDataset(x, y)
+        sampler = torch.utils.data.WeightedRandomSampler((1 + 3 * y).double(), num_samples=300)
+        loader = torch.utils.data.DataLoader(pairs, batch_size=17, sampler=sampler)  # 17 a device
+        return brickyard.fit(model, loader, config={**CONFIG, "data": {}}, run_dir=run_dir)
+
     def fails(word):
         import os
         if os.environ["RANK"] == "1":
@@ -75,3 +84,26 @@ def test_bad_devices_are_one_sentence(tmp_path):
         brickyard.launch(print, devices="cpu:0")
     with pytest.raises(BrickyardError, match="is not a function"):
         brickyard.launch(42, devices="cpu:2")
+
+
+def test_a_weighted_sampler_draws_the_same_epochs_on_three_processes_as_on_one(tmp_path):
+    """A DataLoader's WeightedRandomSampler on 3 processes (its batch of 17 a device) trains the weights that one
+    process does with ``data.global_batch_size=51``: the epoch is drawn from the run's seed, the same on every
+    rank, and sharded as brickyard shards a permutation."""
+    three, one = tmp_path / "three", tmp_path / "one"
+    r = _python(CELL + textwrap.dedent(f"""
+        summary = brickyard.launch(drawn, devices="cpu:3", args=({str(three)!r},))
+        print("WORLD", summary["world_size"], "STEPS", summary["steps"])
+        CONFIG["data"] = {{"global_batch_size": 51}}
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        x, y = points()
+        sampler = torch.utils.data.WeightedRandomSampler((1 + 3 * y).double(), num_samples=300)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=51, sampler=sampler)
+        print("ONE", brickyard.fit(model, loader, config=CONFIG, run_dir={str(one)!r})["steps"])
+    """), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "WORLD 3 STEPS 12" in r.stdout and "ONE 12" in r.stdout  # 300 draws: 6 global batches of 51 an epoch
+    a = checkpoint.load(checkpoint.step_checkpoints(three / "checkpoints")[-1])["model"]
+    b = checkpoint.load(checkpoint.step_checkpoints(one / "checkpoints")[-1])["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < ACROSS_ORDERS

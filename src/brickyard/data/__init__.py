@@ -10,10 +10,11 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+                              Subset, SubsetRandomSampler, WeightedRandomSampler)
 
 from brickyard.data import augment, cifar, idx, items
-from brickyard.data.bundle import DataBundle, Split, held_out
+from brickyard.data.bundle import DataBundle, Draw, Split, held_out
 from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle, output_sizes
 from brickyard.data.synthetic import synthetic_bundle
@@ -334,10 +335,11 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
     loader's ``batch_size`` is the per-device batch (``data.batch_size``) and an evaluation loader's the
     evaluation batch, as Accelerate's ``prepare_data_loader`` keeps a loader's batch for each process
     (``split_batches=False``: src/accelerate/data_loader.py at commit 000e52b); ``num_workers`` above 0 is
-    kept. brickyard shuffles and shards the data itself (its ``BatchPlan``), so a loader that samples or
-    collates in its own way (another sampler or batch sampler, a ``collate_fn``, an IterableDataset, no
-    batching) is one sentence rather than a run that silently drops what it does; Accelerate and Lightning
-    wrap such samplers, which brickyard does not."""
+    kept. brickyard shuffles and shards the data itself (its ``BatchPlan``); the samplers torch gives are read
+    into that plan (``_sampler``): a ``SubsetRandomSampler``'s indices, a ``WeightedRandomSampler``'s or
+    replacement sampler's draws, a ``DistributedSampler`` as the sharding brickyard does anyway. A loader that
+    samples or collates in another way (a sampler or batch sampler of its own class, a ``collate_fn``, an
+    IterableDataset, no batching) is one sentence rather than a run that silently drops what it does."""
     out, sets, notes = [], {}, []
     for data, name, batch_key in ((train, "train_data", "data.batch_size"), (val, "val_data", "data.eval_batch_size"),
                                   (test, "test_data", "data.eval_batch_size")):
@@ -348,33 +350,76 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
             raise DataError(f"{name}: the DataLoader streams an IterableDataset ({type(data.dataset).__name__}); brickyard "
                             f"shuffles and shards a Dataset that has len() and [i], so give one of those.")
         batches = data.batch_sampler
-        sampler = batches.sampler if type(batches) is BatchSampler else None
         own = None
         if batches is None:
             own = "batches nothing (batch_size=None)"
         elif type(batches) is not BatchSampler:
             own = f"batches with its own {type(batches).__name__}"
-        elif type(sampler) not in (RandomSampler, SequentialSampler) or (
-                isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples)):
-            own = f"samples with its own {type(sampler).__name__}"
         elif data.collate_fn is not torch.utils.data.default_collate:
             fn = getattr(data.collate_fn, "__name__", type(data.collate_fn).__name__)
             own = f"collates with its own collate_fn ({fn})"
         if own:
             raise DataError(f"{name}: the DataLoader {own}; brickyard shuffles, shards and batches a Dataset itself, so "
                             f"pass its Dataset (loader.dataset), items as (input, label) pairs, and data.batch_size.")
-        out.append(data.dataset)
+        dataset, draw, how = _sampler(batches.sampler, data.dataset, name)
+        out.append(Split(dataset=dataset, draw=draw) if draw is not None else dataset)
         sets.setdefault(batch_key, batches.batch_size)  # val_data's evaluation batch before test_data's
         if name != "train_data":
-            notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} ({batch_key})")
+            notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} ({batch_key})")
             continue
         workers = ""
         if data.num_workers:
             sets["data.num_workers"] = data.num_workers
             workers = f" and {data.num_workers} loader workers"
-        notes.append(f"{name}: a DataLoader, read as its Dataset with its batch of {batches.batch_size} per device "
-                     f"({batch_key}){workers}; brickyard shuffles and shards it")
+        notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} per device "
+                     f"({batch_key}){workers}; brickyard {'draws' if draw else 'shuffles'} and shards it")
     return out, [f"{k}={v}" for k, v in sets.items()], notes
+
+
+def _sampler(sampler, dataset, name: str):
+    """A DataLoader's sampler read as brickyard's plan: ``(dataset, draw, note)``. Sequential and plain random
+    samplers and a ``DistributedSampler`` (brickyard shuffles and shards every epoch itself, from the run's seed)
+    leave the dataset as it is; a ``SubsetRandomSampler`` makes it the Subset of its indices; a
+    ``WeightedRandomSampler``, or a ``RandomSampler`` with ``replacement`` or ``num_samples``, becomes a
+    ``bundle.Draw`` of as many samples an epoch, drawn from the run's seed and the epoch (the sampler's own
+    generator is not used). An evaluation reads every sample once, so it takes no draw."""
+    kind, n = type(sampler), len(dataset)
+    if kind is SequentialSampler or (kind is RandomSampler and not sampler.replacement and sampler._num_samples is None):
+        return dataset, None, ""
+    if kind is DistributedSampler:
+        return dataset, None, " (its DistributedSampler's sharding is brickyard's own)"
+    if kind is SubsetRandomSampler:
+        try:
+            idx = torch.as_tensor(list(sampler.indices))
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DataError(f"{name}: the DataLoader's SubsetRandomSampler indices cannot be read ({reason(e)}).") from None
+        if len(idx) and (idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or int(idx.min()) < 0
+                         or int(idx.max()) >= n):
+            raise DataError(f"{name}: the DataLoader's SubsetRandomSampler takes indices outside its Dataset's 0..{n - 1}.")
+        return Subset(dataset, idx.tolist()), None, f" (the {len(idx):,} samples of its SubsetRandomSampler)"
+    if kind not in (WeightedRandomSampler, RandomSampler):
+        raise DataError(f"{name}: the DataLoader samples with its own {kind.__name__}; brickyard shuffles, shards and "
+                        f"batches a Dataset itself, so pass its Dataset (loader.dataset), items as (input, label) pairs, "
+                        f"and data.batch_size.")
+    if name != "train_data":
+        raise DataError(f"{name}: the DataLoader draws samples at random ({kind.__name__}); an evaluation reads every "
+                        f"sample once, so give it a loader without that sampler.")
+    count, weights = sampler.num_samples, None
+    if kind is WeightedRandomSampler:
+        weights = sampler.weights
+        bad = len(weights) != n or weights.dim() != 1 or not bool(torch.isfinite(weights).all()) or \
+            bool((weights < 0).any()) or not float(weights.sum()) > 0
+        if bad:
+            raise DataError(f"{name}: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more for each "
+                            f"of its Dataset's {n:,} samples, not all 0; it has {len(weights):,}.")
+        if n > 2 ** 24:
+            raise DataError(f"{name}: the DataLoader's WeightedRandomSampler weighs {n:,} samples and torch draws from at "
+                            f"most {2 ** 24:,}.")
+        if not sampler.replacement and count > int((weights > 0).sum()):
+            raise DataError(f"{name}: the DataLoader's WeightedRandomSampler draws {count:,} samples without replacement "
+                            f"and only {int((weights > 0).sum()):,} have a weight above 0.")
+    how = f"{'by its weights' if weights is not None else 'uniformly'}, {'with' if sampler.replacement else 'without'} replacement"
+    return dataset, Draw(count, weights, sampler.replacement), f" (its {kind.__name__}: {count:,} samples an epoch, {how})"
 
 
 def _user_split(data, name: str) -> Split | None:

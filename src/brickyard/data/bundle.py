@@ -6,11 +6,30 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Draw:
+    """An epoch of ``count`` sample indices drawn at random in place of a permutation of every sample, as a
+    DataLoader's ``WeightedRandomSampler`` or ``RandomSampler(replacement=True)`` / ``num_samples=`` draws them:
+    by ``weights`` (one per sample) where given, else uniformly; with or without ``replacement``. The generator
+    is the batch plan's, seeded by the run's seed and the epoch, so every process draws the same epoch."""
+    count: int
+    weights: torch.Tensor | None = None
+    replacement: bool = True
+
+    def indices(self, n: int, g: torch.Generator) -> torch.Tensor:
+        if self.weights is not None:
+            return torch.multinomial(self.weights, self.count, self.replacement, generator=g)
+        if self.replacement:
+            return torch.randint(n, (self.count,), generator=g)
+        return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-self.count // n))])[:self.count]
+
+
 @dataclass
 class Split:
     images: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     dataset: torch.utils.data.Dataset | None = None
+    draw: Draw | None = None  # training: how an epoch's indices are drawn (None: a permutation of every sample)
 
     def __len__(self) -> int:
         return len(self.labels) if self.labels is not None else len(self.dataset)

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from brickyard.data.bundle import Split
+from brickyard.data.bundle import Draw, Split
 from brickyard.errors import BrickyardError, ConfigError, DataError
 
 
@@ -32,10 +32,18 @@ class BatchPlan:
     so the ranks' shards are disjoint and together cover the epoch. The batches depend on G, never
     on the world size, so any number of ranks (and a resume on another number) sees the same global
     batches. A final partial global batch is kept when every rank gets at least one sample.
+
+    ``draw`` (a DataLoader's weighted or replacement sampler, ``bundle.Draw``): the epoch is the ``draw.count``
+    indices drawn with the same seeded generator in place of the permutation, sharded the same way. Lightning
+    instead has each rank run the sampler itself and shards the list (``DistributedSamplerWrapper`` in
+    src/lightning/fabric/utilities/distributed.py at commit 036b499), so its ranks agree only where every RNG
+    was seeded alike; here the draw is a function of (seed, epoch) and a resume redraws the same epoch.
     """
 
     def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
-                 global_batch: int | None = None):
+                 global_batch: int | None = None, draw: Draw | None = None):
+        self.size, self.draw = n, draw  # samples in the split; an epoch reads n of them (draw.count when drawn)
+        n = draw.count if draw is not None else n
         self.n, self.batch_size, self.world, self.rank, self.seed, self.shuffle = n, batch_size, world, rank, seed, shuffle
         self.global_batch = global_batch or batch_size * world
         if self.global_batch < world:
@@ -44,13 +52,14 @@ class BatchPlan:
         full, rem = divmod(n, self.global_batch)
         self.steps_per_epoch = full + (1 if rem >= world else 0)
         if self.steps_per_epoch == 0:
-            raise DataError(f"the training split has {n} samples, fewer than the {world} ranks; use a smaller world size.")
+            what = f"an epoch draws {n} samples" if draw is not None else f"the training split has {n} samples"
+            raise DataError(f"{what}, fewer than the {world} ranks; use a smaller world size.")
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.n)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n, generator=g)
+        return self.draw.indices(self.size, g) if self.draw is not None else torch.randperm(self.n, generator=g)
 
     def n_global(self, step: int) -> int:
         return min(self.global_batch, self.n - step * self.global_batch)
@@ -204,7 +213,7 @@ def _own_cores(world: int) -> int:
 def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int, accum: int = 1):
     """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
     g = step_batch(cfg, accum, world)
-    plan = BatchPlan(len(split), max(1, g // world), world, rank, seed, global_batch=g)
+    plan = BatchPlan(len(split), max(1, g // world), world, rank, seed, global_batch=g, draw=split.draw)
     kind = cfg.loader
     if kind == "auto":
         kind = "memory" if split.images is not None else "stream"

@@ -1,0 +1,173 @@
+"""A DataLoader's sampler read into brickyard's batch plan: a ``SubsetRandomSampler``'s indices, a
+``WeightedRandomSampler``'s draws, a ``DistributedSampler`` as the sharding brickyard does itself.
+fp32, one thread, no loader workers, a global batch that the 3-process plan does not divide."""
+import re
+
+import pytest
+import torch
+from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, Sampler, Subset, SubsetRandomSampler,
+                              WeightedRandomSampler)
+
+from brickyard import fit
+from brickyard.callbacks import Callback
+from brickyard.data.bundle import Draw
+from brickyard.data.loaders import BatchPlan
+from brickyard.errors import DataError
+
+OV = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.plots=false", "train.tensorboard=false",
+      "train.seed=3", "data.num_workers=0", "schedule.name=constant"]
+
+
+class Seen(torch.utils.data.Dataset):
+    """(input, label) pairs that remember which indices were read."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.read = x, y, []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        return self.x[i], self.y[i]
+
+
+class FromStart(Callback):
+    """Forgets the reads made before training (fit's look at the first item)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def on_train_start(self, run):
+        self.ds.read.clear()
+
+
+def _data(n=120):
+    torch.manual_seed(0)
+    x = torch.randn(n, 1, 4, 4)
+    return x, (x.flatten(1) @ torch.randn(16, 4)).argmax(1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+
+
+def test_a_weighted_draw_is_sharded_like_a_permutation_on_any_world_size():
+    """Every rank of 1, 2 or 3 draws the same epoch from (seed, epoch); their shards, in rank order, are the
+    one-process batch; zero weights are never drawn; another epoch draws again."""
+    weights = torch.tensor([0.0, 1.0, 3.0] * 20, dtype=torch.double)
+    draw = Draw(51, weights, replacement=True)  # a last global batch of 3: one sample a rank of 3
+    one = [idx for idx, _ in BatchPlan(60, 16, seed=5, draw=draw).batches(0)]
+    assert BatchPlan(60, 16, seed=5, draw=draw).steps_per_epoch == 4 and sum(map(len, one)) == 51
+    for world in (2, 3):
+        plans = [BatchPlan(60, 16 // world, world, r, seed=5, global_batch=16, draw=draw) for r in range(world)]
+        shards = [list(p.batches(0)) for p in plans]
+        for step, whole in enumerate(one):
+            assert torch.equal(torch.cat([s[step][0] for s in shards]), whole)
+    drawn = torch.cat(one)
+    assert not (drawn % 3 == 0).any() and len(set(drawn.tolist())) < 51  # with replacement, by the weights
+    assert not torch.equal(BatchPlan(60, 16, seed=5, draw=draw).permutation(1), drawn)
+    without = BatchPlan(60, 16, seed=5, draw=Draw(130, None, replacement=False)).permutation(0)
+    assert sorted(without[:60].tolist()) == list(range(60)) and len(without) == 130  # whole permutations, cut
+
+
+def test_a_subset_random_sampler_trains_on_its_indices_as_a_subset_would(tmp_path):
+    """The train / validation split by indices over one Dataset (a common course idiom): the same weights and
+    accuracy as fit on the two Subsets, and the validation loader reads its own indices only."""
+    x, y = _data()
+    ds = Seen(x, y)
+    train_idx, val_idx = list(range(0, 120, 3)) + list(range(1, 120, 3)), list(range(2, 120, 3))
+    ref = _model()
+    s_ref = fit(ref, Subset(ds, train_idx), Subset(ds, val_idx), run_dir=tmp_path / "subset",
+                overrides=OV + ["train.epochs=2", "data.batch_size=16", "data.eval_batch_size=10"])
+    model = _model()
+    s = fit(model, DataLoader(ds, batch_size=16, sampler=SubsetRandomSampler(train_idx)),
+            DataLoader(ds, batch_size=10, sampler=SubsetRandomSampler(val_idx)), run_dir=tmp_path / "loader",
+            overrides=OV + ["train.epochs=2"], callbacks=[FromStart(ds)])
+    assert s["steps"] == s_ref["steps"] == 10 and s["val_accuracy"] == s_ref["val_accuracy"] is not None
+    assert all(torch.equal(ref.state_dict()[k], model.state_dict()[k]) for k in ref.state_dict())
+    assert set(ds.read) == set(range(120))  # training read its 80, validation its 40
+    log = (tmp_path / "loader" / "train.log").read_text()
+    assert "train_data: a DataLoader, read as its Dataset (the 80 samples of its SubsetRandomSampler) with its batch " \
+           "of 16 per device (data.batch_size); brickyard shuffles and shards it" in log
+
+
+def test_a_weighted_random_sampler_draws_its_epoch_by_its_weights_and_resumes_exactly(tmp_path):
+    """``num_samples`` a epoch, drawn by the weights (class 0 never), and the same weights whether the run
+    goes on or stops after an epoch and resumes; a DistributedSampler trains as the plain Dataset does."""
+    x, y = _data()
+    ds = Seen(x, y)
+    weights = (y != 0).double() * (1 + (y == 3).double())
+    loader = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(weights, num_samples=64))
+    model = _model()
+    s = fit(model, loader, run_dir=tmp_path / "whole", overrides=OV + ["train.epochs=2"], callbacks=[FromStart(ds)])
+    assert s["steps"] == 8 and len(ds.read) == 128 and not (y[ds.read] == 0).any()
+    assert (y[ds.read] == 3).sum() > (y[ds.read] == 1).sum()
+    assert "its WeightedRandomSampler: 64 samples an epoch, by its weights, with replacement" in \
+        (tmp_path / "whole" / "train.log").read_text()
+    first = ds.read[:64]
+    part = _model()
+    fit(part, loader, run_dir=tmp_path / "part", overrides=OV + ["train.epochs=2", "train.stop_epoch=1"])
+    resumed = _model()
+    s2 = fit(resumed, loader, run_dir=tmp_path / "part", resume="auto", overrides=OV + ["train.epochs=2"],
+             callbacks=[FromStart(ds)])
+    assert s2["steps"] == 8 and len(ds.read) == 64 and ds.read != first  # only the second epoch, drawn anew
+    assert all(torch.equal(model.state_dict()[k], resumed.state_dict()[k]) for k in model.state_dict())
+    plain, shared = _model(), _model()
+    fit(plain, ds, run_dir=tmp_path / "plain", overrides=OV + ["train.epochs=1", "data.batch_size=16"])
+    fit(shared, DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=2, rank=1)),
+        run_dir=tmp_path / "distributed", overrides=OV + ["train.epochs=1"])
+    assert all(torch.equal(plain.state_dict()[k], shared.state_dict()[k]) for k in plain.state_dict())
+
+
+class Odd(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(1, self.n, 2))
+
+    def __len__(self):
+        return self.n // 2
+
+
+@pytest.mark.parametrize("case", ["eval weighted", "short weights", "negative weight", "too many without replacement",
+                                  "subset out of range", "own sampler"])
+def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_path, case):
+    x, y = _data()
+    ds = Seen(x, y)
+    ones = torch.ones(120, dtype=torch.double)
+    train, val, said = DataLoader(ds, batch_size=16), None, ""
+    if case == "eval weighted":
+        val = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(ones, 40))
+        said = "val_data: the DataLoader draws samples at random (WeightedRandomSampler); an evaluation reads every sample once"
+    elif case == "short weights":
+        train = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(ones[:100], 40))
+        said = ("train_data: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more for each of its "
+                "Dataset's 120 samples, not all 0; it has 100.")
+    elif case == "negative weight":
+        train = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(-ones, 40))
+        said = "train_data: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more"
+    elif case == "too many without replacement":
+        w = ones.clone()
+        w[10:] = 0
+        train = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(w, 40, replacement=False))
+        said = "draws 40 samples without replacement and only 10 have a weight above 0."
+    elif case == "subset out of range":
+        train = DataLoader(ds, batch_size=16, sampler=SubsetRandomSampler([0, 5, 120]))
+        said = "train_data: the DataLoader's SubsetRandomSampler takes indices outside its Dataset's 0..119."
+    else:
+        train = DataLoader(ds, batch_size=16, sampler=Odd(120))
+        said = "train_data: the DataLoader samples with its own Odd; brickyard shuffles, shards and batches a Dataset itself"
+    with pytest.raises(DataError, match=re.escape(said)):
+        fit(_model(), train, val, run_dir=tmp_path / "r", overrides=OV)
+    assert not (tmp_path / "r").exists() and not ds.read
+
+
+def test_a_random_sampler_with_replacement_draws_num_samples_an_epoch(tmp_path):
+    x, y = _data()
+    ds = Seen(x, y)
+    s = fit(_model(), DataLoader(ds, batch_size=16, sampler=RandomSampler(ds, replacement=True, num_samples=40)),
+            run_dir=tmp_path / "r", overrides=OV + ["train.epochs=1"], callbacks=[FromStart(ds)])
+    assert s["steps"] == 3 and len(ds.read) == 40 and len(set(ds.read)) < 40
