@@ -346,6 +346,11 @@ def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     assert s["steps"] == 3 and "one-hot labels (64 x 4) read as class indices" in (tmp_path / "dummies" / "train.log").read_text()
     with pytest.raises(DataError, match=re.escape("train_data: labels are 64 x 4 integers but not one-hot")):
         fit(torch.nn.Linear(36, 4), (images, np.ones((64, 4), dtype=np.int64)), run_dir=tmp_path / "multi", overrides=ov)
+    multi = (rng.random((64, 4)) < 0.4).astype(np.int64)  # several labels a sample, for a multi-label loss of the user's
+    s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, multi), (images[:16], multi[:16]),
+            run_dir=tmp_path / "multi-label", overrides=ov,
+            loss_fn=lambda out, y: torch.nn.functional.binary_cross_entropy_with_logits(out, y.float()))
+    assert s["steps"] == 3 and s["val_accuracy"] is None and s["val_loss"] is not None  # kept as rows, not scored as classes
     soft = np.full((64, 4), 0.25, dtype=np.float32)
     s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, soft), run_dir=tmp_path / "soft",
             overrides=ov)

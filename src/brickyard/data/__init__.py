@@ -142,7 +142,7 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
                 split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])
         notes.append(f"train_data: PIL images, read through the transforms [{', '.join(chosen.train_transforms)}] "
                      f"(evaluation [{', '.join(chosen.eval_transforms)}]): data.train_transforms, data.eval_transforms")
-    width = _one_hot_labels(splits, names, notes)
+    width = _one_hot_labels(splits, names, notes, own_loss)
     if num_classes is None and width:
         num_classes = width  # the one-hot width, not the largest label + 1: a class no sample has still counts
     elif width and num_classes != width:
@@ -231,12 +231,13 @@ def _one_hot(rows: torch.Tensor) -> bool:
     return bool(((rows == 0) | (rows == 1)).all() and (rows.sum(1) == 1).all())
 
 
-def _one_hot_labels(splits, names, notes: list[str]) -> int:
+def _one_hot_labels(splits, names, notes: list[str], own_loss: bool = False) -> int:
     """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
     ``get_dummies`` booleans) read as the class indices they encode, so label smoothing applies and the data's
     classes are counted. Float rows of other probabilities (soft targets, smoothed labels) are left as they are,
     for the loss, and scored by their largest share (``metrics.class_targets``, as Keras's ``categorical_accuracy``);
-    integer rows that are not one-hot (multi-hot) are one sentence. Returns C, or 0 when no split's
+    integer rows that are not one-hot (multi-hot) are one sentence, unless the user's own loss (``own_loss``) takes
+    them, as a multi-label loss does. Returns C, or 0 when no split's
     labels were one-hot; splits of different widths are one sentence."""
     widths = {}
     for split, name in zip(splits, names):
@@ -244,9 +245,10 @@ def _one_hot_labels(splits, names, notes: list[str]) -> int:
         if labels is None or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
             continue
         if not _one_hot(labels):
-            if not labels.is_floating_point():
+            if not labels.is_floating_point() and not own_loss:
                 raise DataError(f"{name}: labels are {len(labels)} x {labels.shape[1]} integers but not one-hot (a single 1 "
-                                f"a row); give class indices (N labels) or one-hot rows.")
+                                f"a row); give class indices (N labels) or one-hot rows, or pass loss_fn for several "
+                                f"labels a sample.")
             continue
         widths[name] = labels.shape[1]
         split.labels = labels.argmax(1)
