@@ -247,13 +247,17 @@ def test_fit_checks_labels_before_training(tmp_path):
 @pytest.mark.parametrize("call, error", [
     (lambda x, y, m: dict(model=lambda t: t), (TypeError, "fit: model must be a torch.nn.Module, got function")),
     (lambda x, y, m: dict(train_data=(x[:0], y[:0])), ("DataError", "train_data is empty")),
+    (lambda x, y, m: dict(val_data=(x[:0], y[:0])), ("DataError", "val_data is empty; leave it out")),
+    (lambda x, y, m: dict(test_data=torch.utils.data.Subset(torch.utils.data.TensorDataset(x, y), [])),
+     ("DataError", "test_data is empty; leave it out")),
     (lambda x, y, m: dict(train_data=(x, y.float())), ("DataError", "labels are floats .* pass loss_fn for a regression")),
     (lambda x, y, m: dict(num_classes="3"), ("DataError", "num_classes: '3' is not a whole number of classes")),
     (lambda x, y, m: dict(train_data=(x.tolist(), y.tolist())), ("DataError", "got a tuple of 2: list, list")),
     (lambda x, y, m: dict(train_data=(np.array([object()] * 64), y.numpy())), ("DataError", "cannot be read as tensors"))],
-    ids=["not a module", "empty", "float labels", "num_classes a string", "lists", "objects"])
+    ids=["not a module", "empty", "empty val", "empty test", "float labels", "num_classes a string", "lists", "objects"])
 def test_fit_refuses_what_it_cannot_train_in_one_sentence(call, error, tmp_path):
-    """Each of these crashed inside torch (IndexError, a dtype error in the loss, TypeError on '>=')."""
+    """Each of these crashed inside torch (IndexError, a dtype error in the loss, TypeError on '>='); an empty
+    validation or test split was scored as 0% accuracy."""
     from brickyard import errors, fit
     x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
     kwargs = dict(model=torch.nn.Linear(4, 3), train_data=(x, y), run_dir=tmp_path / "r",

@@ -123,6 +123,9 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     first = splits[0]
     if first is None or not len(first):
         raise DataError("train_data is empty.")
+    for split, name in zip(splits[1:], names[1:]):  # scored as 0% accuracy otherwise
+        if split is not None and not len(split):
+            raise DataError(f"{name} is empty; leave it out (None) to train without it.")
     fraction = getattr(transforms, "val_fraction", 0.0) if transforms is not None else 0.0
     if fraction:
         splits[0], splits[1] = _validation_of(first, splits[1], fraction)
