@@ -1,6 +1,7 @@
 """A DataLoader's sampler read into brickyard's batch plan: a ``SubsetRandomSampler``'s indices, a
-``WeightedRandomSampler``'s draws, a ``DistributedSampler`` as the sharding brickyard does itself.
-fp32, one thread, no loader workers, a global batch that the 3-process plan does not divide."""
+``WeightedRandomSampler``'s draws, a ``DistributedSampler`` as the sharding brickyard does itself; and
+``data.balance``, the class-balanced draw for the CLI. fp32, one thread, no loader workers, a global batch
+that the 3-process plan does not divide."""
 import re
 
 import pytest
@@ -11,8 +12,9 @@ from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, Sam
 from brickyard import fit
 from brickyard.callbacks import Callback
 from brickyard.data.bundle import Draw
-from brickyard.data.loaders import BatchPlan
+from brickyard.data.loaders import BatchPlan, _PlanSampler
 from brickyard.errors import DataError
+from conftest import run_cli
 
 OV = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.plots=false", "train.tensorboard=false",
       "train.seed=3", "data.num_workers=0", "schedule.name=constant"]
@@ -171,3 +173,69 @@ def test_a_random_sampler_with_replacement_draws_num_samples_an_epoch(tmp_path):
     s = fit(_model(), DataLoader(ds, batch_size=16, sampler=RandomSampler(ds, replacement=True, num_samples=40)),
             run_dir=tmp_path / "r", overrides=OV + ["train.epochs=1"], callbacks=[FromStart(ds)])
     assert s["steps"] == 3 and len(ds.read) == 40 and len(set(ds.read)) < 40
+
+
+def test_data_balance_draws_as_a_weighted_sampler_of_inverse_class_counts_does(tmp_path):
+    """``data.balance`` on held tensors of a rare class: the same weights as a DataLoader whose
+    WeightedRandomSampler weighs each sample 1 / its class's count (the usual hand-built balancing), and each
+    class drawn about equally often. With a sampler of the loader's own, or a Dataset whose labels are not
+    known up front, it is one sentence and no run directory."""
+    from brickyard.config import load_config
+    from brickyard.data import DataBundle, Split, balance
+    x, y = _data()
+    y = torch.where(torch.arange(120) < 100, y % 3, torch.full((120,), 3))  # class 3: about half the others' count
+    ov = OV + ["train.epochs=2", "data.batch_size=16"]
+    held = _model()
+    s = fit(held, (x, y), run_dir=tmp_path / "balance", overrides=ov + ["data.balance=true"])
+    counts = torch.bincount(y)
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16,
+                        sampler=WeightedRandomSampler((1.0 / counts.double())[y], num_samples=120))
+    by_hand = _model()
+    s2 = fit(by_hand, loader, run_dir=tmp_path / "by-hand", overrides=OV + ["train.epochs=2"])
+    assert s["steps"] == s2["steps"] == 16
+    assert all(torch.equal(held.state_dict()[k], by_hand.state_dict()[k]) for k in held.state_dict())
+    assert int(counts.min()) < int(counts.max()) // 2
+    assert (f"data.balance: each epoch draws 120 training images with replacement, each of the 4 classes equally "
+            f"likely (their images: {int(counts.min())} to {int(counts.max())})") in (tmp_path / "balance" / "train.log").read_text()
+    bundle = DataBundle("t", Split(x, y), None, None, 4, 1, (4, 4))
+    balance(bundle)
+    drawn = y[torch.cat([i for i, _ in BatchPlan(120, 16, seed=0, draw=bundle.train.draw).batches(0)])]
+    assert torch.bincount(drawn).min() >= 20  # class 3 drawn about as often as the others, 30 of 120 expected
+    assert load_config("mnist", ["data.balance=true"]).data.balance
+    for train, said in ((loader, "data.balance draws the epoch by class and the DataLoader's sampler draws it too"),
+                        (Seen(x, y), "data.balance needs the training labels up front (tensors or an image folder)")):
+        with pytest.raises(DataError, match=re.escape(said)):
+            fit(_model(), train, run_dir=tmp_path / "r", overrides=OV + ["data.balance=true"])
+        assert not (tmp_path / "r").exists()
+
+
+def test_two_draws_of_one_image_get_two_seeds_for_their_random_transforms():
+    """An image folder's crops and flips come from a seed per key; in a drawn epoch the key is the draw's place
+    in the epoch, so the copies of an image are augmented differently, and still alike on any world size."""
+    draw = Draw(40, torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.double))
+    one = _PlanSampler(BatchPlan(4, 8, seed=1, draw=draw), seeded=True)
+    keys = [k for batch in one for k in batch]
+    assert len({i for i, _ in keys}) == 2 and len({seed for _, seed in keys}) == 40
+    two = [_PlanSampler(BatchPlan(4, 4, 2, r, seed=1, global_batch=8, draw=draw), seeded=True) for r in range(2)]
+    assert [k for b0, b1 in zip(*two) for k in b0 + b1] == keys
+    base = (1 * 1_000_003 + 0) * 0x9E3779B1  # a permutation's epoch keeps its keys: an image's seed, as before
+    assert all(seed == (base + i) % (1 << 62) for batch in _PlanSampler(BatchPlan(4, 2, seed=1), seeded=True)
+               for i, seed in batch)
+
+
+def test_data_balance_on_an_image_folder_from_the_cli(tmp_path):
+    from brickyard.data.photos import make_photo_folder
+    root = tmp_path / "photos"
+    make_photo_folder(root, classes=3, per_class={"train": 6, "val": 2, "test": 2}, seed=5, min_size=40, max_size=60)
+    rare = sorted((root / "train").iterdir())[2]
+    for f in sorted(rare.iterdir())[1:]:
+        f.unlink()  # the third class: 1 training photo against 6 and 6
+    r = run_cli("train", "--set", "data.name=imagefolder", "--set", f"data.root={root}", "--set", "data.balance=true",
+                "--set", "data.train_transforms=[random_resized_crop:32, hflip]", "--set", "data.eval_transforms=[resize:32x32]",
+                "--set", "model.name=mnist_cnn", "--set", "train.epochs=2", "--set", "data.batch_size=4",
+                "--set", "train.progress=none", "--set", "train.precision=fp32", "--set", "data.num_workers=0",
+                "--set", "train.plots=false", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "data.balance: each epoch draws 13 training images with replacement, each of the 3 classes equally likely " \
+           "(their images: 1 to 6)" in log

@@ -60,6 +60,7 @@ class DataConfig:
     random_erasing: float = _opt(0.0, min=0.0, max=1.0, doc="probability of erasing one rectangle of an image with noise (timm's --reprob, pixel mode)")
     mixup: float = _opt(0.0, min=0.0, max=100.0, doc="mixup Beta alpha, e.g. 0.2 (timm's --mixup); 0 = off; targets become class probabilities")
     cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
+    balance: bool = _opt(False, doc="draw each epoch's training images at random with replacement, every class equally likely (torch's WeightedRandomSampler, weights 1 / the class's count), as many as the split holds: for a data set with rare classes")
     tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1)")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]; at least 2, each once")

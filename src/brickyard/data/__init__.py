@@ -427,6 +427,31 @@ def _sampler(sampler, dataset, name: str):
     return dataset, Draw(count, weights, sampler.replacement), f" (its {kind.__name__}: {count:,} samples an epoch, {how})"
 
 
+def balance(data: DataBundle) -> None:
+    """``data.balance``: the training split's epoch drawn with replacement, each class equally likely (weights
+    1 / the class's count, as a ``WeightedRandomSampler`` users build for rare classes), as many draws as it
+    holds images. Needs the labels up front: held tensors' or an image folder's."""
+    split = data.train
+    if split.draw is not None and split.draw.by_class:
+        return  # this bundle was balanced by an earlier run
+    if split.draw is not None:
+        raise DataError("data.balance draws the epoch by class and the DataLoader's sampler draws it too: use one of them.")
+    labels = split.labels if split.labels is not None else getattr(split.dataset, "labels", None)
+    if labels is None:
+        raise DataError("data.balance needs the training labels up front (tensors or an image folder); for a Dataset, "
+                        "pass a DataLoader with a WeightedRandomSampler of your weights.")
+    labels = torch.as_tensor(labels)
+    if labels.dim() != 1 or labels.is_floating_point():
+        raise DataError(f"data.balance draws by class and the training labels are not class indices "
+                        f"({tuple(labels.shape)} of {str(labels.dtype).replace('torch.', '')}).")
+    counts = torch.bincount(labels)
+    weights = (1.0 / counts.double())[labels]
+    split.draw = Draw(len(labels), weights, replacement=True, by_class=True)
+    present = counts[counts > 0]
+    data.notes.append(f"data.balance: each epoch draws {len(labels):,} training images with replacement, each of the "
+                      f"{len(present)} classes equally likely (their images: {int(present.min()):,} to {int(present.max()):,})")
+
+
 def _user_split(data, name: str) -> Split | None:
     if data is None:
         return None

@@ -15,6 +15,7 @@ class Draw:
     count: int
     weights: torch.Tensor | None = None
     replacement: bool = True
+    by_class: bool = False  # data.balance's, not a DataLoader's sampler
 
     def indices(self, n: int, g: torch.Generator) -> torch.Tensor:
         if self.weights is not None:

@@ -96,7 +96,8 @@ class InMemoryLoader:
 class _PlanSampler(torch.utils.data.Sampler):
     """A batch sampler whose epoch and start step are set before each pass. For a dataset that draws its
     random transforms from a seed it is given (``seeded``: the image folders), each key is ``(index, seed)``
-    with the seed fixed by the run's seed, the epoch and the sample: the crops and flips of an image do
+    with the seed fixed by the run's seed, the epoch and the sample (in a drawn epoch, ``plan.draw``, the
+    sample's place in the epoch, so two draws of one image get two crops): the crops and flips of an image do
     not depend on the number of processes, the loader's workers or where a resumed run starts."""
 
     def __init__(self, plan: BatchPlan, seeded: bool = False):
@@ -104,8 +105,14 @@ class _PlanSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         base = (self.plan.seed * 1_000_003 + self.epoch) * 0x9E3779B1
-        for idx, _ in self.plan.batches(self.epoch, self.start):
-            yield [(i, (base + i) % (1 << 62)) for i in idx.tolist()] if self.seeded else idx.tolist()
+        for step, (idx, n_global) in enumerate(self.plan.batches(self.epoch, self.start), self.start):
+            idx = idx.tolist()
+            if not self.seeded:
+                yield idx
+                continue
+            first = step * self.plan.global_batch + self.plan.offset(n_global)
+            keys = range(first, first + len(idx)) if self.plan.draw is not None else idx  # a draw repeats images
+            yield [(i, (base + k) % (1 << 62)) for i, k in zip(idx, keys)]
 
     def __len__(self):
         return self.plan.steps_per_epoch - self.start

@@ -30,7 +30,7 @@ from torch import nn
 
 from brickyard.callbacks import from_config
 from brickyard.config import Config
-from brickyard.data import DataBundle
+from brickyard.data import DataBundle, balance
 from brickyard.data.loaders import check_readers
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
@@ -160,6 +160,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
                   loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
+    if cfg.data.balance:
+        balance(data)  # likewise
     check_installed(loggers(cfg.train))  # likewise
     if req.info.rank == 0:
         check_reachable(loggers(cfg.train))  # likewise: a tracking server that takes no connection
