@@ -150,7 +150,8 @@ def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_
                 "Dataset's 120 samples, not all 0; it has 100.")
     elif case == "negative weight":
         train = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(-ones, 40))
-        said = "train_data: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more"
+        said = "train_data: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more for each of its " \
+               "Dataset's 120 samples, not all 0; some are negative."
     elif case == "too many without replacement":
         w = ones.clone()
         w[10:] = 0
@@ -201,6 +202,8 @@ def test_data_balance_draws_as_a_weighted_sampler_of_inverse_class_counts_does(t
     balance(bundle)
     drawn = y[torch.cat([i for i, _ in BatchPlan(120, 16, seed=0, draw=bundle.train.draw).batches(0)])]
     assert torch.bincount(drawn).min() >= 20  # class 3 drawn about as often as the others, 30 of 120 expected
+    balance(bundle, False)  # the bundle given to a second run that does not balance
+    assert bundle.train.draw is None
     assert load_config("mnist", ["data.balance=true"]).data.balance
     for train, said in ((loader, "data.balance draws the epoch by class and the DataLoader's sampler draws it too"),
                         (Seen(x, y), "data.balance needs the training labels up front (tensors or an image folder)")):

@@ -412,11 +412,12 @@ def _sampler(sampler, dataset, name: str):
     count, weights = sampler.num_samples, None
     if kind is WeightedRandomSampler:
         weights = sampler.weights
-        bad = len(weights) != n or weights.dim() != 1 or not bool(torch.isfinite(weights).all()) or \
-            bool((weights < 0).any()) or not float(weights.sum()) > 0
+        bad = (f"it has {len(weights):,}" if len(weights) != n else "some are not finite"
+               if not bool(torch.isfinite(weights).all()) else "some are negative" if bool((weights < 0).any())
+               else "all are 0" if not float(weights.sum()) > 0 else "")
         if bad:
             raise DataError(f"{name}: the DataLoader's WeightedRandomSampler needs one finite weight of 0 or more for each "
-                            f"of its Dataset's {n:,} samples, not all 0; it has {len(weights):,}.")
+                            f"of its Dataset's {n:,} samples, not all 0; {bad}.")
         if n > 2 ** 24:
             raise DataError(f"{name}: the DataLoader's WeightedRandomSampler weighs {n:,} samples and torch draws from at "
                             f"most {2 ** 24:,}.")
@@ -427,13 +428,18 @@ def _sampler(sampler, dataset, name: str):
     return dataset, Draw(count, weights, sampler.replacement), f" (its {kind.__name__}: {count:,} samples an epoch, {how})"
 
 
-def balance(data: DataBundle) -> None:
-    """``data.balance``: the training split's epoch drawn with replacement, each class equally likely (weights
-    1 / the class's count, as a ``WeightedRandomSampler`` users build for rare classes), as many draws as it
-    holds images. Needs the labels up front: held tensors' or an image folder's."""
+def balance(data: DataBundle, on: bool = True) -> None:
+    """``data.balance`` (``on``): the training split's epoch drawn with replacement, each class equally likely
+    (weights 1 / the class's count, as a ``WeightedRandomSampler`` users build for rare classes), as many draws
+    as it holds images. Needs the labels up front: held tensors' or an image folder's. A bundle an earlier run
+    balanced keeps its draw, or loses it when this run does not balance."""
     split = data.train
     if split.draw is not None and split.draw.by_class:
-        return  # this bundle was balanced by an earlier run
+        if not on:
+            split.draw = None
+        return
+    if not on:
+        return
     if split.draw is not None:
         raise DataError("data.balance draws the epoch by class and the DataLoader's sampler draws it too: use one of them.")
     labels = split.labels if split.labels is not None else getattr(split.dataset, "labels", None)

@@ -160,8 +160,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     req = Request(cfg, model, data, run_dir, resume, model_meta or {}, info or dist.from_env(), log_dir, list(callbacks),
                   loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
-    if cfg.data.balance:
-        balance(data)  # likewise
+    balance(data, cfg.data.balance)  # likewise
     check_installed(loggers(cfg.train))  # likewise
     if req.info.rank == 0:
         check_reachable(loggers(cfg.train))  # likewise: a tracking server that takes no connection
