@@ -132,3 +132,22 @@ def test_the_last_line_says_what_the_test_accuracy_is_of(capsys):
                          ({"test_accuracy": None, "test_loss": 0.3}, "test accuracy: n/a (2 steps")):  # a loss, no classes
         print_result({**base, **extra})
         assert capsys.readouterr().out.splitlines()[-1].startswith(shown)
+
+
+def test_a_balanced_epoch_is_the_same_on_three_processes_and_after_a_resume_on_two(tmp_path):
+    """``data.balance`` draws each epoch from (seed, epoch): one process, three, and a run stopped on three and
+    resumed on two end with the same weights."""
+    balanced = SAME + ["data.balance=true", "schedule.name=constant", "data.classes=[0, 1, 2]", "data.train_per_class=0"]
+    api.train_config(load_config("mnist", balanced), tmp_path / "one")
+    three = run_cli("train", "mnist", *sets(*balanced), "--devices", "cpu:3", "--run-dir", str(tmp_path / "three"))
+    assert three.returncode == 0, three.stderr
+    assert "data.balance: each epoch draws" in three.stdout
+    assert _diff(_final(tmp_path / "one"), _final(tmp_path / "three")) < ACROSS_ORDERS
+    first = run_cli("train", "mnist", *sets(*balanced, "train.max_steps=8"), "--devices", "cpu:3", "--run-dir",
+                    str(tmp_path / "r"))
+    assert first.returncode == 0, first.stderr
+    again = run_cli("train", "--set", "train.max_steps=20", "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"),
+                    "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 20
+    assert _diff(_final(tmp_path / "one"), _final(tmp_path / "r")) < ACROSS_ORDERS
