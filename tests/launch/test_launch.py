@@ -25,6 +25,12 @@ CELL = textwrap.dedent("""
         model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
         return brickyard.fit(model, points(), config=CONFIG, run_dir=run_dir)
 
+    def fails(word):
+        import os
+        if os.environ["RANK"] == "1":
+            raise ValueError(f"rank 1 says {word}")
+        return "fine"
+
     def drawn(run_dir):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
@@ -33,12 +39,6 @@ CELL = textwrap.dedent("""
         sampler = torch.utils.data.WeightedRandomSampler((1 + 3 * y).double(), num_samples=300)
         loader = torch.utils.data.DataLoader(pairs, batch_size=17, sampler=sampler)  # 17 a device
         return brickyard.fit(model, loader, config={**CONFIG, "data": {}}, run_dir=run_dir)
-
-    def fails(word):
-        import os
-        if os.environ["RANK"] == "1":
-            raise ValueError(f"rank 1 says {word}")
-        return "fine"
 """)
 
 
