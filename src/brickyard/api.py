@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def resolve_config(config=None, overrides=()) -> Config:
 
 def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, callbacks=(), loss_fn=None,
         train_step=None, num_classes=None, run_dir=None, resume=None, overrides=(), epochs=None, batch_size=None,
-        validation_split=None) -> dict:
+        validation_split=None, class_weight=None) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
@@ -74,6 +75,9 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     ``$BRICKYARD_RUN_DIR``, ``$BRICKYARD_LOG_DIR`` and ``$BRICKYARD_RESUME`` (set by `brickyard run`) are
     the defaults of ``run_dir``, the worker logs and ``resume``.
 
+    ``class_weight``: Keras's ``{class: weight}`` (classes left out weigh 1), or one weight a class; it sets
+    ``optim.class_weights`` (``training.step.make_loss_sum``: Keras's weighted loss).
+
     ``epochs``, ``batch_size`` and ``validation_split`` are Keras's ``fit`` keywords, set on top of ``config`` and
     ``overrides``: ``train.epochs``, ``data.global_batch_size`` (Keras's batch is the global one: each of N
     processes takes its share) and ``data.val_fraction`` (a random part held out, where Keras takes the last).
@@ -94,6 +98,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
                      transforms=cfg.data)
     data.notes[:0] = loader_notes
+    if class_weight is not None:
+        cfg = cfg.replace(**{"optim.class_weights": _class_weights(class_weight, data.num_classes)})
     models.initialise(model, cfg.model.init)
     if cfg.model.whiten:
         models.whiten(model, data, type(model).__name__)
@@ -101,6 +107,26 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
                  log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step)
+
+
+def _class_weights(given, num_classes: int) -> tuple:
+    """``fit(class_weight=)``: a ``{class: weight}`` mapping as Keras takes it (integer keys; a class left out weighs
+    1, as in Keras's ``class_weight_to_sample_weights``) or a sequence of one weight a class, as the tuple
+    ``optim.class_weights`` holds. A key outside the classes is one sentence (Keras skips it silently)."""
+    if isinstance(given, Mapping):
+        weights = [1.0] * num_classes
+        for key, value in given.items():
+            try:
+                k = int(key)
+            except (TypeError, ValueError):
+                raise ConfigError(f"class_weight: the key {key!r} is not a class index.") from None
+            if not 0 <= k < num_classes:
+                raise ConfigError(f"class_weight: class {k} is outside the data's classes 0..{num_classes - 1}.")
+            weights[k] = value.item() if hasattr(value, "item") else value
+        return tuple(weights)
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
+        raise ConfigError(f"class_weight: expected {{class: weight}} or one weight a class, got {type(given).__name__}.")
+    return tuple(w.item() if hasattr(w, "item") else w for w in given)
 
 
 def build_model(cfg: Config, data: DataBundle) -> nn.Module:

@@ -121,6 +121,7 @@ class OptimConfig:
     betas: Union[tuple, None] = _opt(None, doc="adam, adamw; null: torch's (0.9, 0.999)")
     eps: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (1e-8; adagrad 1e-10, adadelta 1e-6)")
     label_smoothing: float = _opt(0.0, min=0.0, max=1.0, doc="cross-entropy label smoothing (torch's default: 0)")
+    class_weights: tuple = _opt((), doc="one weight a class for the training loss, as Keras's fit(class_weight=): each sample's cross-entropy times its class's weight, summed and divided by the batch; validation and test are not weighed; empty: all 1")
     param_groups: tuple = _opt((), item=ParamGroupRule, doc="rules [{match, weight_decay, lr_mult}], first match wins")
     decay_bias_norm: bool = _opt(True, doc="false: biases and norm-layer weights get no weight decay")
     l1: float = _opt(0.0, min=0.0, doc="L1 penalty on decayed parameters, added to the loss")

@@ -49,7 +49,7 @@ from brickyard.training import failures, precision, setup
 from brickyard.training.evaluation import evaluate, evaluate_split, finish
 from brickyard.training.run import Request, Run
 from brickyard.training.rundir import RunDir, default_path
-from brickyard.training.step import optimizer_step
+from brickyard.training.step import check_class_weights, optimizer_step
 
 __all__ = ["train", "evaluate", "Interrupted"]
 
@@ -161,6 +161,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
                   loss_fn, train_step, started=time.perf_counter(), rss_at_start_mb=dev.rss_mib())
     check_readers(cfg, req.info.world_size, len(data.train))  # before anything is written
     balance(data, cfg.data.balance)  # likewise
+    check_class_weights(cfg.optim.class_weights, data.num_classes,  # likewise
+                        "loss_fn" if loss_fn is not None else "train_step" if train_step is not None else None)
     check_installed(loggers(cfg.train))  # likewise
     if req.info.rank == 0:
         check_reachable(loggers(cfg.train))  # likewise: a tracking server that takes no connection

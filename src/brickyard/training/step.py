@@ -21,6 +21,7 @@ reading the loss is not a device sync, the NaN guard reads it every step.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Mapping
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from brickyard.data.augment import DROP_PATH, draw_seed
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, DataError, reason, user_code_error
+from brickyard.errors import BrickyardError, ConfigError, DataError, reason, user_code_error
 from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import class_targets, cross_entropy_targets, is_classification
@@ -39,12 +40,22 @@ from brickyard.training import device as dev
 from brickyard.training.run import StepResult
 
 
-def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
-    """``(outputs, targets) -> summed loss``: cross-entropy by default, else ``loss_fn``'s mean times the batch."""
+def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights=()):
+    """``(outputs, targets) -> summed loss``: cross-entropy by default, else ``loss_fn``'s mean times the batch.
+    ``class_weights`` (``optim.class_weights``, one a class) multiply each sample's cross-entropy, label smoothing
+    included, by its class's weight, as Keras's ``class_weight`` does: ``class_weight_to_sample_weights`` in
+    keras/src/trainers/data_adapters/data_adapter_utils.py (commit 0349fba) gives a sample the weight of its class,
+    the argmax of a row of probabilities, and its "sum_over_batch_size" reduction divides the weighted sum by the
+    batch (``reduce_values`` in keras/src/losses/loss.py), as the step divides this sum. (torch's own ``weight=``
+    weighs the smoothing term class by class and its mean divides by the weights' sum: not Keras's loss.)"""
+    weights = torch.tensor(class_weights, dtype=torch.float32) if class_weights else None
     if loss_fn is None:
         def cross_entropy_sum(out, y):
             t = cross_entropy_targets(out, y)
             try:
+                if weights is not None:
+                    each = F.cross_entropy(out.float(), t, reduction="none", label_smoothing=label_smoothing)
+                    return (each * weights.to(out.device)[t if t.dim() == 1 else t.argmax(1)]).sum()
                 return F.cross_entropy(out.float(), t, reduction="sum", label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
@@ -71,6 +82,21 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0):
             raise BrickyardError(f"loss_fn {name} must return the mean loss as a 0-dim tensor; it returned {shape}.")
         return loss.float() * len(y)
     return loss_sum
+
+
+def check_class_weights(weights, num_classes: int, own_loss: str | None) -> None:
+    """``optim.class_weights`` that cannot weigh this run's loss: one sentence, before anything is written."""
+    if not weights:
+        return
+    if own_loss:
+        raise ConfigError(f"optim.class_weights weigh the default cross-entropy and this run has its own {own_loss}; "
+                          f"weigh the classes inside it.")
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0]
+    if bad:
+        raise ConfigError(f"optim.class_weights: {bad[0]!r} is not a weight (a finite number, 0 or more).")
+    if len(weights) != num_classes:
+        raise ConfigError(f"optim.class_weights has {len(weights)} weights and the data has {num_classes} classes; "
+                          f"give one a class.")
 
 
 def outside_classes(out: torch.Tensor, y: torch.Tensor) -> str:
