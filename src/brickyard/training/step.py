@@ -48,14 +48,17 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights=()):
     the argmax of a row of probabilities, and its "sum_over_batch_size" reduction divides the weighted sum by the
     batch (``reduce_values`` in keras/src/losses/loss.py), as the step divides this sum. (torch's own ``weight=``
     weighs the smoothing term class by class and its mean divides by the weights' sum: not Keras's loss.)"""
-    weights = torch.tensor(class_weights, dtype=torch.float32) if class_weights else None
+    weights = {torch.device("cpu"): torch.tensor(class_weights, dtype=torch.float32)} if class_weights else None
     if loss_fn is None:
         def cross_entropy_sum(out, y):
             t = cross_entropy_targets(out, y)
             try:
                 if weights is not None:
+                    w = weights.get(out.device)
+                    if w is None:  # copied to the run's device once
+                        w = weights[out.device] = weights[torch.device("cpu")].to(out.device)
                     each = F.cross_entropy(out.float(), t, reduction="none", label_smoothing=label_smoothing)
-                    return (each * weights.to(out.device)[t if t.dim() == 1 else t.argmax(1)]).sum()
+                    return (each * w[t if t.dim() == 1 else t.argmax(1)]).sum()
                 return F.cross_entropy(out.float(), t, reduction="sum", label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
