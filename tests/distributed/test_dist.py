@@ -412,7 +412,8 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     connection attempt was timing out: the C++ exception met the interpreter's exit and the process
     aborted (SIGABRT, seen once in CI; reproduced 3 times in 20 by exiting at the store's timeout).
     So ``close()``, which the launcher calls on every way out, ends the thread first, however long
-    the job's timeout."""
+    the job's timeout. (It waited 3 s once, and a connection attempt under load took longer: torch's
+    retries with backoff.)"""
     import threading
     from types import SimpleNamespace
     from conftest import free_port as _free_port
@@ -422,7 +423,7 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     start = time.monotonic()
     roll.close()
     assert not [t for t in threading.enumerate() if t.name == "brickyard-roll-call"]
-    assert time.monotonic() - start < 3 * RollCall.STEP_S + 0.5 and not roll.connected
+    assert time.monotonic() - start < RollCall.JOIN_S + 0.5 and not roll.connected  # not the job's 60 s
 
 
 def test_under_srun_the_run_directory_is_one_name_and_devices_are_refused(tmp_path):

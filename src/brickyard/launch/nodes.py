@@ -123,11 +123,14 @@ class RollCall:
     """Each node's launcher signs in on the rendezvous store (its node rank, or its address), so a
     job whose nodes did not all come can say which are missing. A daemon thread: it connects when
     the host's store is up, signs in, and keeps a copy of the list for the error message. Every
-    store call waits at most ``STEP_S``: ``close()`` then ends the thread within about that, so it is
-    never inside a C++ store call when the interpreter exits (that aborts the process)."""
+    store call waits at most ``STEP_S``, and torch's own retries with backoff can add a few seconds to a
+    connection attempt (1.3-2.8 s a call to a closed port, 4.4 s once under load): ``close()`` waits up to
+    ``JOIN_S`` for the thread to end, so it is never inside a C++ store call when the interpreter exits (that
+    aborts the process), however long the job's timeout."""
 
     KEY = "brickyard/nodes"
     STEP_S = 1
+    JOIN_S = 10
 
     def __init__(self, job):  # a launch.Job
         self.job, self.joined, self.connected = job, [], False
@@ -163,7 +166,7 @@ class RollCall:
 
     def close(self) -> None:
         self._done.set()
-        self._thread.join(timeout=3 * self.STEP_S)
+        self._thread.join(timeout=self.JOIN_S)
 
     def failure(self) -> str:
         """The sentence for a rendezvous that did not complete."""
