@@ -78,6 +78,10 @@ def cross_check(cfg) -> None:
     b, o = cfg.boost, cfg.optim
     if len(o.betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    bad = [w for w in o.class_weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+           or w < 0]
+    if bad:  # their count is checked against the data's classes when training starts (training.step)
+        raise ConfigError(f"optim.class_weights: {bad[0]!r} is not a weight (a finite number, 0 or more).")
     steps = tuple(cfg.train.profile_steps)
     if steps and (len(steps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)
                   or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):

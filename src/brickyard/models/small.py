@@ -129,4 +129,3 @@ def fashion_lean(num_classes=10, in_channels=1, image_size=(28, 28)):
 @register("fashion_wide", "conv3x3 at 32-128-256 channels, each then max-pool, batch norm and ReLU, linear 2304 -> classes: the longer Fashion-MNIST recipe's net")
 def fashion_wide(num_classes=10, in_channels=1, image_size=(28, 28)):
     return _pool_first(in_channels, (32, 128, 256), num_classes, image_size)
-

@@ -149,7 +149,8 @@ def build_run(req: Request, host, log, the_plan: Plan) -> Run:
     group, ps_group = _ps_groups(the_plan, info)
     engine = Engine(data_world=the_plan.data_world, group=group, info=info, host=host, meta=meta,
                     channels_last=channels_last, peak_lr=the_plan.peak_lr, groups=groups, schedule=the_plan.schedule,
-                    loss_sum=make_loss_sum(req.loss_fn, cfg.optim.label_smoothing, cfg.optim.class_weights),
+                    loss_sum=make_loss_sum(req.loss_fn, cfg.optim.label_smoothing, torch.tensor(
+                        cfg.optim.class_weights, dtype=torch.float32, device=device) if cfg.optim.class_weights else None),
                     eval_loss_sum=make_loss_sum(req.loss_fn),
                     step_fn=req.train_step or default_step, scaler=torch.amp.GradScaler("cuda", enabled=host.precision == "fp16"),
                     check_each_step=t.nan_guard and device.type == "cpu", sharded=fsdp.is_sharded(model))

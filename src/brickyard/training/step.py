@@ -21,7 +21,6 @@ reading the loss is not a device sync, the NaN guard reads it every step.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Mapping
 
@@ -40,25 +39,21 @@ from brickyard.training import device as dev
 from brickyard.training.run import StepResult
 
 
-def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights=()):
+def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights: torch.Tensor | None = None):
     """``(outputs, targets) -> summed loss``: cross-entropy by default, else ``loss_fn``'s mean times the batch.
-    ``class_weights`` (``optim.class_weights``, one a class) multiply each sample's cross-entropy, label smoothing
+    ``class_weights`` (``optim.class_weights`` on the run's device, one a class) multiply each sample's cross-entropy, label smoothing
     included, by its class's weight, as Keras's ``class_weight`` does: ``class_weight_to_sample_weights`` in
     keras/src/trainers/data_adapters/data_adapter_utils.py (commit 0349fba) gives a sample the weight of its class,
     the argmax of a row of probabilities, and its "sum_over_batch_size" reduction divides the weighted sum by the
     batch (``reduce_values`` in keras/src/losses/loss.py), as the step divides this sum. (torch's own ``weight=``
     weighs the smoothing term class by class and its mean divides by the weights' sum: not Keras's loss.)"""
-    weights = {torch.device("cpu"): torch.tensor(class_weights, dtype=torch.float32)} if class_weights else None
     if loss_fn is None:
         def cross_entropy_sum(out, y):
             t = cross_entropy_targets(out, y)
             try:
-                if weights is not None:
-                    w = weights.get(out.device)
-                    if w is None:  # copied to the run's device once
-                        w = weights[out.device] = weights[torch.device("cpu")].to(out.device)
+                if class_weights is not None:
                     each = F.cross_entropy(out.float(), t, reduction="none", label_smoothing=label_smoothing)
-                    return (each * w[t if t.dim() == 1 else t.argmax(1)]).sum()
+                    return (each * class_weights[t if t.dim() == 1 else t.argmax(1)]).sum()
                 return F.cross_entropy(out.float(), t, reduction="sum", label_smoothing=label_smoothing)
             except IndexError as e:  # "Target -1 is out of bounds." (CPUs; CUDA stops at a device assert instead)
                 raise DataError(outside_classes(out, y)) from e
@@ -88,15 +83,13 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights=()):
 
 
 def check_class_weights(weights, num_classes: int, own_loss: str | None) -> None:
-    """``optim.class_weights`` that cannot weigh this run's loss: one sentence, before anything is written."""
+    """``optim.class_weights`` that cannot weigh this run's loss: one sentence, before anything is written (each
+    weight is a finite number of 0 or more by then: ``config.checks.cross_check``)."""
     if not weights:
         return
     if own_loss:
         raise ConfigError(f"optim.class_weights weigh the default cross-entropy and this run has its own {own_loss}; "
                           f"weigh the classes inside it.")
-    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0]
-    if bad:
-        raise ConfigError(f"optim.class_weights: {bad[0]!r} is not a weight (a finite number, 0 or more).")
     if len(weights) != num_classes:
         raise ConfigError(f"optim.class_weights has {len(weights)} weights and the data has {num_classes} classes; "
                           f"give one a class.")
