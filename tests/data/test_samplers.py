@@ -135,7 +135,7 @@ class Odd(Sampler):
 
 
 @pytest.mark.parametrize("case", ["eval weighted", "short weights", "negative weight", "too many without replacement",
-                                  "subset out of range", "own sampler"])
+                                  "subset out of range", "own sampler", "huge epoch"])
 def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_path, case):
     x, y = _data()
     ds = Seen(x, y)
@@ -160,6 +160,10 @@ def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_
     elif case == "subset out of range":
         train = DataLoader(ds, batch_size=16, sampler=SubsetRandomSampler([0, 5, 120]))
         said = "train_data: the DataLoader's SubsetRandomSampler takes indices outside its Dataset's 0..119."
+    elif case == "huge epoch":  # ran out of memory drawing the epoch, and said to try a smaller batch
+        train = DataLoader(ds, batch_size=16, sampler=WeightedRandomSampler(ones, 10**12))
+        said = ("train_data: the DataLoader's WeightedRandomSampler draws 1,000,000,000,000 samples an epoch from 120; an "
+                "epoch draws at most 100 times its Dataset's samples (12,000): train more epochs instead.")
     else:
         train = DataLoader(ds, batch_size=16, sampler=Odd(120))
         said = "train_data: the DataLoader samples with its own Odd; brickyard shuffles, shards and batches a Dataset itself"

@@ -410,6 +410,9 @@ def _sampler(sampler, dataset, name: str):
         raise DataError(f"{name}: the DataLoader draws samples at random ({kind.__name__}); an evaluation reads every "
                         f"sample once, so give it a loader without that sampler.")
     count, weights = sampler.num_samples, None
+    if count > 100 * n:  # the epoch's indices are held in memory: 10**12 draws ran out of it
+        raise DataError(f"{name}: the DataLoader's {kind.__name__} draws {count:,} samples an epoch from {n:,}; an epoch "
+                        f"draws at most 100 times its Dataset's samples ({100 * n:,}): train more epochs instead.")
     if kind is WeightedRandomSampler:
         weights = sampler.weights
         bad = (f"it has {len(weights):,}" if len(weights) != n else "some are not finite"
