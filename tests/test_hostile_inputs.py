@@ -448,8 +448,9 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
 def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
     """A DataLoader, as Lightning and Accelerate users hand one over: read as its Dataset, its batch per device
     (Accelerate's reading), the same weights as the Dataset with that ``data.batch_size``; ``batch_size=`` still
-    wins. A loader that samples, batches or collates in its own way is one sentence, and no run directory is
-    made: brickyard would otherwise drop what it does (the samplers torch gives: tests/data/test_samplers.py).
+    wins. A loader that samples or batches in its own way is one sentence, and no run directory is made: brickyard
+    would otherwise drop what it does (the samplers torch gives: tests/data/test_samplers.py; a collate_fn:
+    tests/data/test_collate.py).
     Before, any DataLoader was refused."""
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
     from brickyard import fit
@@ -483,8 +484,7 @@ def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
         def __iter__(self):
             return iter(zip(x, labels))
 
-    refused = {"collate": (DataLoader(ds, batch_size=16, collate_fn=list), "collates with its own collate_fn (list)"),
-               "unbatched": (DataLoader(ds, batch_size=None), "the DataLoader batches nothing (batch_size=None)"),
+    refused = {"unbatched": (DataLoader(ds, batch_size=None), "the DataLoader batches nothing (batch_size=None)"),
                "stream": (DataLoader(Stream(), batch_size=16), "train_data: the DataLoader streams an IterableDataset (Stream)")}
     for name, (loader, said) in refused.items():
         with pytest.raises(DataError, match=re.escape(said)):

@@ -39,6 +39,17 @@ CELL = textwrap.dedent("""
         sampler = torch.utils.data.WeightedRandomSampler((1 + 3 * y).double(), num_samples=300)
         loader = torch.utils.data.DataLoader(pairs, batch_size=17, sampler=sampler)  # 17 a device
         return brickyard.fit(model, loader, config={**CONFIG, "data": {}}, run_dir=run_dir)
+
+    def collated(run_dir, batch):
+        def pairs(items):  # items of a Python list of floats and an int
+            return {"inputs": torch.tensor([x for x, _ in items]), "labels": torch.tensor([y for _, y in items])}
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        x, y = points()
+        items = list(zip(x.tolist(), y.tolist()))
+        return brickyard.fit(model, torch.utils.data.DataLoader(items, batch_size=batch, collate_fn=pairs),
+                             torch.utils.data.DataLoader(items[:120], batch_size=9, collate_fn=pairs),
+                             config={**CONFIG, "data": {}}, run_dir=run_dir)
 """)
 
 
@@ -104,6 +115,23 @@ def test_a_weighted_sampler_draws_the_same_epochs_on_three_processes_as_on_one(t
     """), tmp_path)
     assert r.returncode == 0, r.stderr
     assert "WORLD 3 STEPS 12" in r.stdout and "ONE 12" in r.stdout  # 300 draws: 6 global batches of 51 an epoch
+    a = checkpoint.load(checkpoint.step_checkpoints(three / "checkpoints")[-1])["model"]
+    b = checkpoint.load(checkpoint.step_checkpoints(one / "checkpoints")[-1])["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < ACROSS_ORDERS
+
+
+def test_a_collate_fn_batches_each_ranks_share_on_three_processes_as_on_one(tmp_path):
+    """A DataLoader's own collate_fn on 3 processes (its batch of 17 a device, a dict of inputs and labels from
+    items of Python lists) trains the weights of one process with a batch of 51, and validates on the same."""
+    three, one = tmp_path / "three", tmp_path / "one"
+    r = _python(CELL + textwrap.dedent(f"""
+        summary = brickyard.launch(collated, devices="cpu:3", args=({str(three)!r}, 17))
+        print("WORLD", summary["world_size"], "STEPS", summary["steps"], "VAL", summary["val_accuracy"])
+        print("ONE", collated({str(one)!r}, 51)["val_accuracy"])
+    """), tmp_path)
+    assert r.returncode == 0, r.stderr
+    three_val, one_val = r.stdout.split("VAL ")[1].split()[0], r.stdout.split("ONE ")[1].split()[0]
+    assert "WORLD 3 STEPS 20" in r.stdout and three_val == one_val != "None"  # 500 samples: 10 global batches an epoch
     a = checkpoint.load(checkpoint.step_checkpoints(three / "checkpoints")[-1])["model"]
     b = checkpoint.load(checkpoint.step_checkpoints(one / "checkpoints")[-1])["model"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) < ACROSS_ORDERS

@@ -17,6 +17,7 @@ from brickyard.data import augment, cifar, idx, items
 from brickyard.data.bundle import DataBundle, Draw, Split, held_out
 from brickyard.data.layout import channels_first, model_reads_channels_last
 from brickyard.data.imagefolder import auto_transforms, imagefolder_bundle, output_sizes
+from brickyard.data.loaders import UserCollate
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError, reason
 
@@ -132,16 +133,16 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         first = splits[0]
     notes, classes = [], []
     for split, name in zip(splits, names):  # Hugging Face's dict items, PIL images: read as (input, label) pairs
-        if split is not None and split.dataset is not None:
+        if split is not None and split.dataset is not None and split.collate is None:  # (a collate_fn reads them itself)
             split.dataset, note, found = items.as_pairs(split.dataset, name)
             notes += [note] if note and split is first else []
             classes = classes or found
-    image = items.first_image(first.dataset) if transforms is not None and first.dataset is not None else None
+    image = items.first_image(first.dataset) if transforms is not None and first.dataset is not None and first.collate is None else None
     if image is not None:  # PIL images: the image folders' transforms, so photos of many sizes batch
         chosen = auto_transforms(transforms, image)
         output_sizes(chosen, image)  # one sentence up front where they do not end in a fixed size
         for split, specs in zip(splits, (chosen.train_transforms, chosen.eval_transforms, chosen.eval_transforms)):
-            if split is not None and split.dataset is not None:
+            if split is not None and split.dataset is not None and split.collate is None:
                 split.dataset = items.with_transforms(split.dataset, specs, transforms.channels or image.shape[0])
         notes.append(f"train_data: PIL images, read through the transforms [{', '.join(chosen.train_transforms)}] "
                      f"(evaluation [{', '.join(chosen.eval_transforms)}]): data.train_transforms, data.eval_transforms")
@@ -164,6 +165,9 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         sample, label = first.images[0], first.labels[0]
     else:
         item = first.dataset[0]
+        if first.collate is not None:  # the DataLoader's collate_fn makes the pairs: item 0 as it batches it
+            inputs, labels = first.collate([item])
+            item = inputs[0], labels[0]
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             what = f"a dict of {', '.join(map(str, list(item)[:4]))}" if isinstance(item, dict) else \
                 f"a {type(item).__name__}{f' of {len(item)}' if isinstance(item, (tuple, list)) else ''}"
@@ -171,7 +175,8 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
         sample, label = item
         if hasattr(sample, "__array__") and not isinstance(sample, torch.Tensor):
             sample = items.as_input(np.asarray(sample))  # the DataLoader's collate turns arrays into tensors too
-        if isinstance(sample, torch.Tensor) and model is not None and model_reads_channels_last(model, sample[None]):
+        if isinstance(sample, torch.Tensor) and model is not None and first.collate is None \
+                and model_reads_channels_last(model, sample[None]):
             given = "x".join(map(str, sample.shape))
             for split in splits:
                 if split is not None and split.dataset is not None:
@@ -342,9 +347,11 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
     (``split_batches=False``: src/accelerate/data_loader.py at commit 000e52b); ``num_workers`` above 0 is
     kept. brickyard shuffles and shards the data itself (its ``BatchPlan``); the samplers torch gives are read
     into that plan (``_sampler``): a ``SubsetRandomSampler``'s indices, a ``WeightedRandomSampler``'s or
-    replacement sampler's draws, a ``DistributedSampler`` as the sharding brickyard does anyway. A loader that
-    samples or collates in another way (a sampler or batch sampler of its own class, a ``collate_fn``, an
-    IterableDataset, no batching) is one sentence rather than a run that silently drops what it does."""
+    replacement sampler's draws, a ``DistributedSampler`` as the sharding brickyard does anyway. A ``collate_fn`` of
+    the user's batches the split's items, in training and evaluation, as it would in the loader (``loaders.UserCollate``:
+    it returns ``(inputs, labels)`` or a dict of them, one for each item). A loader that samples or batches in another
+    way (a sampler or batch sampler of its own class, an IterableDataset, no batching) is one sentence rather than a
+    run that silently drops what it does."""
     out, sets, notes = [], {}, []
     for data, name, batch_key in ((train, "train_data", "data.batch_size"), (val, "val_data", "data.eval_batch_size"),
                                   (test, "test_data", "data.eval_batch_size")):
@@ -360,14 +367,15 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
             own = "batches nothing (batch_size=None)"
         elif type(batches) is not BatchSampler:
             own = f"batches with its own {type(batches).__name__}"
-        elif data.collate_fn is not torch.utils.data.default_collate:
-            fn = getattr(data.collate_fn, "__name__", type(data.collate_fn).__name__)
-            own = f"collates with its own collate_fn ({fn})"
         if own:
             raise DataError(f"{name}: the DataLoader {own}; brickyard shuffles, shards and batches a Dataset itself, so "
                             f"pass its Dataset (loader.dataset), items as (input, label) pairs, and data.batch_size.")
         dataset, draw, how = _sampler(batches.sampler, data.dataset, name)
-        out.append(Split(dataset=dataset, draw=draw) if draw is not None else dataset)
+        fn = data.collate_fn if data.collate_fn is not torch.utils.data.default_collate else None
+        if fn is not None:
+            how += f" and its collate_fn ({getattr(fn, '__name__', type(fn).__name__)})"
+        out.append(Split(dataset=dataset, draw=draw, collate=UserCollate(fn, name) if fn else None)
+                   if draw is not None or fn is not None else dataset)
         sets.setdefault(batch_key, batches.batch_size)  # val_data's evaluation batch before test_data's
         if name != "train_data":
             notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} ({batch_key})")

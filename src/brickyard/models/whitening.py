@@ -60,7 +60,8 @@ def _images(data, count: int) -> torch.Tensor:
     else:
         ds = split.as_dataset()
         seeded = getattr(ds, "seeded", False)
-        first = [torch.as_tensor(ds[(i, i) if seeded else i][0]) for i in range(images_used(data, count))]
+        read = [ds[(i, i) if seeded else i] for i in range(images_used(data, count))]
+        first = list(split.collate(read)[0]) if split.collate else [torch.as_tensor(item[0]) for item in read]
         if len({tuple(t.shape) for t in first}) > 1:
             raise ConfigError(f"model.whiten reads the first {len(first)} training images together and they differ in size "
                               f"({', '.join(sorted({'x'.join(map(str, t.shape)) for t in first})[:3])}); make the training "
