@@ -93,6 +93,24 @@ class Hosts:
         self._host_of[p.pid] = i
         return p
 
+    def wait(self, p: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+        """``p``'s ``(returncode, stdout, stderr)``. When it has not ended within ``timeout`` s, every process
+        of its host gets SIGABRT first: faulthandler (on in ``popen``'s environment) prints each one's Python
+        stacks, every thread's, to that stderr, which the failure shows, so a hang says where it hung."""
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            i = self._host_of[p.pid]
+            self._kill_all(self.hosts[i], signal.SIGABRT)
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._kill_all(self.hosts[i])
+                out, err = p.communicate(timeout=30)
+            raise AssertionError(f"host {i} had not ended after {timeout:g}s; the Python stacks of its processes "
+                                 f"(SIGABRT) and what it printed before:\n{err[-20000:]}") from None
+        return p.returncode, out, err
+
     def kill_node(self, i: int) -> None:
         """SIGKILL every process on host ``i`` (launcher, agent and workers: torchrun starts workers in
         sessions of their own, so killing the command's process group is not enough)."""
@@ -102,11 +120,11 @@ class Hosts:
                 p.wait(timeout=30)
 
     @staticmethod
-    def _kill_all(ns: str) -> None:
+    def _kill_all(ns: str, sig: int = signal.SIGKILL) -> None:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(int(pid), sig)
             except (ProcessLookupError, ValueError):
                 pass
 

@@ -63,11 +63,6 @@ def _node(h, i, run, nnodes, extra=(), devices="cpu:1", config=SAME, rank=True):
     return h.popen(i, argv + (["--node-rank", str(i)] if rank else []))
 
 
-def _wait(p, timeout=240):
-    out, err = p.communicate(timeout=timeout)
-    return p.returncode, out, err
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
     h = hosts(2)
@@ -75,7 +70,7 @@ def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
     second = _node(h, 1, run, 2, devices=f"cpu:{nproc}")  # the node that does not host the store starts first
     time.sleep(3)
     first = _node(h, 0, run, 2, devices=f"cpu:{nproc}")
-    (rc0, out0, err0), (rc1, _, err1) = _wait(first), _wait(second)
+    (rc0, out0, err0), (rc1, _, err1) = h.wait(first), h.wait(second)
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     world = 2 * nproc
     assert f"global batch 48 ({48 // world} per device x {world} x 1 accumulation)" in out0 + (run / "train.log").read_text()
@@ -104,7 +99,7 @@ def test_slurm_variables_set_by_hand_on_two_hosts(hosts, one, tmp_path):
         procs.append(h.popen(i, ["train", "mnist", *sets(*SAME), "--run-dir", str(run)],
                              env={**env, "MASTER_ADDR": None, "MASTER_PORT": None}))
     for p in procs:
-        rc, out, err = _wait(p)
+        rc, out, err = h.wait(p)
         assert rc == 0, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12
@@ -133,7 +128,7 @@ def test_a_cut_network_ends_both_nodes_with_one_sentence_within_the_timeout(host
     _wait_for_checkpoints(run, 2, procs)
     start = time.time()
     h.cut(cut)  # that host's link to the switch goes down
-    results = [_wait(p, timeout=120) for p in procs]
+    results = [h.wait(p, timeout=120) for p in procs]
     assert time.time() - start < 10 + 25  # dist.timeout_s, the check of who is silent, the agent's shutdown
     for i, (rc, _, err) in enumerate(results):
         assert rc == 2, err[-3000:]
@@ -155,7 +150,7 @@ def test_a_bad_image_one_rank_meets_is_what_both_nodes_say(hosts, tmp_path):
     h = hosts(2)
     config = [s for s in ONE_BAD_IMAGE if not s.startswith("train.seed")] + ["train.seed=2", f"data.root={data}"]
     procs = [_node(h, i, run, 2, devices="cpu:2", config=config) for i in (1, 0)]
-    results = [_wait(p, timeout=200) for p in procs][::-1]
+    results = [h.wait(p, timeout=200) for p in procs][::-1]
     assert readers_of_the_bad_image(run / "logs-node0") == [1] and readers_of_the_bad_image(run / "logs-node1") == []
     for rc, _, err in results:
         errors = [l for l in err.splitlines() if l.startswith("error:")]
@@ -178,7 +173,7 @@ def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tm
     assert first.poll() is None
     time.sleep(2)
     back = _node(h, 1, run, 2, restarts, config=steps)  # the node returns
-    (rc0, out0, err0), (rc1, _, err1) = _wait(first), _wait(back)
+    (rc0, out0, err0), (rc1, _, err1) = h.wait(first), h.wait(back)
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert "torchrun restarts the group (1 restart(s) left)" in err0 and "Traceback" not in err0 + err1
     log0 = (run / "logs-node0" / "workerlog.0").read_text()
@@ -195,7 +190,7 @@ def test_a_run_resumed_on_another_number_of_nodes_keeps_its_data_position(hosts,
     half = SAME + ["train.max_steps=6"]
     procs = [_node(h, i, run, 2, config=half) for i in (1, 0)]
     for p in procs:
-        rc, _, err = _wait(p)
+        rc, _, err = h.wait(p)
         assert rc == 0, err[-3000:]
     again = run_cli("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.max_steps=12")  # one node
     assert again.returncode == 0, again.stderr
@@ -225,7 +220,7 @@ def test_elastic_a_node_joins_then_leaves_and_the_global_batch_holds(hosts, tmp_
         time.sleep(0.1)
     time.sleep(1.0)  # a few steps with world 2
     h.kill_node(1)
-    rc0, _, err0 = _wait(first)
+    rc0, _, err0 = h.wait(first)
     assert rc0 == 0, err0[-3000:]
     text = log0.read_text()
     sizes = re.findall(r"world size (\d+),", text)
@@ -246,7 +241,7 @@ def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(host
     argv = ["bench", "mnist", *sets(*BENCH), "--devices", "cpu:1", "--steps", "10", "--warmup", "2", "--nnodes", "2",
             "--master", f"{h.addr(0)}:{PORT}"]
     procs = [h.popen(i, argv + ["--node-rank", str(i), "--out", str(tmp_path / f"out{i}")]) for i in (1, 0)]
-    (rc1, out1, err1), (rc0, out0, err0) = [_wait(p) for p in procs]
+    (rc1, out1, err1), (rc0, out0, err0) = [h.wait(p) for p in procs]
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert "--- devices cpu:1\n" in out0 and "--- devices cpu:1 on each of 2 nodes" in out0
     assert "--- devices cpu:1\n" not in out1 and "--- devices cpu:1 on each of 2 nodes" in out1  # node 1 joins only
