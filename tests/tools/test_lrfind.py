@@ -54,3 +54,20 @@ def test_optim_lr_find_runs_the_test_first_and_writes_the_rate_into_the_run(tmp_
         load_config("mnist", ["optim.lr=fast"])
     bad = run_cli("lr-find", "mnist", *sets(*FIND), "--min-lr", "1", "--max-lr", "0.1")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: lr-find: needs 0 < --min-lr < --max-lr and at least 13 steps."
+
+
+def test_lr_find_reads_the_batches_train_draws_with_data_balance(tmp_path):
+    """With ``data.balance`` the range test's first loss is that of the first batch `brickyard train` draws (the
+    same model and seed), not of the permutation's first batch."""
+    found, losses = {}, {}
+    for on in ("true", "false"):
+        r = run_cli("lr-find", "mnist", *sets(*FIND, f"data.balance={on}"), "--steps", "13", "--out", str(tmp_path / on))
+        assert r.returncode == 0, r.stderr
+        found[on] = json.loads((tmp_path / on / "lr_find.json").read_text())["losses"][0]
+    for on in ("true", "false"):
+        r = run_cli("train", "mnist", *sets(*FIND, f"data.balance={on}", "train.max_steps=1", "train.log_every=1",
+                                          "train.plots=false"), "--run-dir", str(tmp_path / f"run-{on}"))
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(line) for line in (tmp_path / f"run-{on}" / "metrics.jsonl").read_text().splitlines()]
+        losses[on] = next(row["loss"] for row in rows if row["kind"] == "train" and row["step"] == 1)
+    assert found == losses and found["true"] != found["false"]

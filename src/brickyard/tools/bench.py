@@ -34,7 +34,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from brickyard import models
-from brickyard.data import build_data
+from brickyard.data import balance, build_data
 from brickyard.data import augment
 from brickyard.data.loaders import device_batches, make_train_loader, step_batch
 from brickyard.distributed import gradsync
@@ -124,6 +124,7 @@ def _job(cfg, info, host):
 
     t, device = cfg.train, host.device
     data = build_data(cfg.data)
+    balance(data, cfg.data.balance)  # the epochs `brickyard train` draws
     torch.manual_seed(t.seed)
     model = models.build(cfg, data).to(device, memory_format=torch.channels_last if host.channels_last else torch.preserve_format)
     optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim))
