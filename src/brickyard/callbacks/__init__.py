@@ -10,8 +10,10 @@ from brickyard.callbacks.early_stopping import EarlyStopping
 from brickyard.callbacks.ema import EMA
 from brickyard.callbacks.layer_outputs import LayerOutputs
 from brickyard.callbacks.max_time import MaxTime
+from brickyard.callbacks.reduce_lr import ReduceLROnPlateau
 
-__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "from_config"]
+__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "ReduceLROnPlateau",
+           "from_config"]
 
 
 def from_config(cfg) -> list[Callback]:
@@ -19,6 +21,9 @@ def from_config(cfg) -> list[Callback]:
     t, out = cfg.train, []
     if t.early_stopping:
         out.append(EarlyStopping(t.early_stopping_monitor, t.early_stopping, t.early_stopping_min_delta))
+    s = cfg.schedule
+    if s.name == "plateau":
+        out.append(ReduceLROnPlateau(s.monitor, s.gamma, s.patience, s.min_delta, s.cooldown, s.lr_end))
     if t.ema:
         out.append(EMA(t.ema))
     if t.max_time_s:

@@ -93,6 +93,9 @@ def cross_check(cfg) -> None:
     if cfg.data.rand_augment:
         rand_augment_policy(cfg.data.rand_augment)
     init_method(cfg.model.init)
+    if cfg.schedule.name == "plateau" and not 0 < cfg.schedule.gamma < 1:
+        raise ConfigError(f"schedule.gamma: {cfg.schedule.gamma:g} must lie between 0 and 1 for schedule.name plateau "
+                          f"(each reduction multiplies the rate by it), e.g. 0.1 or 0.5.")
     if cfg.model.whiten and cfg.finetune.init_from:
         raise ConfigError(f"model.whiten sets the first convolution from the data and finetune.init_from loads it from "
                           f"{cfg.finetune.init_from}; choose one.")

@@ -134,15 +134,19 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: str = _opt("constant", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "none"),
-                     doc="constant (as torch without a scheduler); none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
-    warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant)")
+    name: str = _opt("constant", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "plateau", "none"),
+                     doc="constant (as torch without a scheduler); plateau: constant, lowered by schedule.gamma when schedule.monitor has not improved for schedule.patience validations (Keras's ReduceLROnPlateau); none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
+    warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant, plateau)")
     lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
     lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")
-    lr_end: float = _opt(0.0, min=0.0, doc="final rate (warmup_linear, cosine)")
+    lr_end: float = _opt(0.0, min=0.0, doc="final rate (warmup_linear, cosine); plateau: the lowest rate it lowers to (Keras's min_lr)")
     step_epochs: float = _opt(1.0, min=0.0, doc="step: decay every this many epochs")
-    gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor")
+    gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor; plateau: the factor each reduction multiplies the rate by (Keras's factor; below 1)")
     pct_start: float = _opt(0.25, min=0.0, max=1.0, doc="onecycle: fraction of steps rising")
+    monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"), doc="plateau: the validation metric watched")
+    patience: int = _opt(10, min=0, doc="plateau: validations without improvement before the rate is lowered (Keras's default 10)")
+    min_delta: float = _opt(1e-4, min=0.0, doc="plateau: smaller changes of schedule.monitor do not count as improvement")
+    cooldown: int = _opt(0, min=0, doc="plateau: validations after a reduction during which none is counted")
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,8 @@ class Adam(Optimizer):
 
 
 class Schedule:
-    """Learning rate at each optimiser step (``peak`` is ``schedule.lr_max`` or ``optim.lr``)."""
+    """Learning rate at each optimiser step (``peak`` is ``schedule.lr_max`` or ``optim.lr``); ``plateau`` is
+    constant (with warm-up), lowered by a ``ReduceLROnPlateau`` through ``Run.lr_scale``."""
 
     def __init__(self, cfg, peak: float, total_steps: int, steps_per_epoch: int):
         self.cfg, self.peak = cfg, peak
@@ -190,7 +191,7 @@ class Schedule:
         if step < self.warmup:
             return c.lr_init + (peak - c.lr_init) * step / self.warmup
         t = (step - self.warmup) / max(1, self.total - self.warmup)
-        if c.name == "constant":
+        if c.name in ("constant", "plateau"):
             return peak
         if c.name == "step":
             return peak * c.gamma ** ((step - self.warmup) // self.step_size)

@@ -149,6 +149,7 @@ class Run:
     step: int = 0                     # optimiser steps taken
     epoch: int = 0                    # the epoch being trained (step // steps_per_epoch)
     lr: float = 0.0                   # the learning rate of the latest step
+    lr_scale: float = 1.0             # multiplies the schedule's rate from the next step on (``ReduceLROnPlateau``)
     train_loss: float | None = None   # the training loss of the latest log window
     train_accuracy: float | None = None  # its accuracy (class logits only)
     metrics: dict = field(default_factory=dict)   # the latest evaluation: loss, accuracy, top5, ...

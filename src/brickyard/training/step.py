@@ -168,7 +168,7 @@ def optimizer_step(run, batches, totals: Totals) -> StepResult:
     if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
         run.lr = run.optimizer.param_groups[0]["lr"]
     else:
-        run.lr = e.schedule(run.step)
+        run.lr = e.schedule(run.step) * run.lr_scale
         set_lr(run.optimizer, run.lr)
     if t.grad_clip:
         e.scaler.unscale_(run.optimizer)
