@@ -103,8 +103,8 @@ def check(cfg, callbacks, data) -> None:
     monitor = cfg.schedule.monitor if cfg.schedule.name == "plateau" else given[0].monitor
     if data.val is None:
         raise ConfigError(f"{what} lowers the learning rate when {monitor} stops improving, and this run has no "
-                          f"validation data: give val_data, data.val_fraction or an image folder's val split (not "
-                          f"data.train_on_all), or pick another schedule.")
+                          f"validation data: hold some out (data.train_on_all false, data.val_fraction, fit's val_data), "
+                          f"or pick another schedule.")
     if not cfg.train.eval_every:
         raise ConfigError(f"{what} lowers the learning rate between validations, and train.eval_every 0 validates only "
                           f"at the end; set it to the epochs between validations.")
