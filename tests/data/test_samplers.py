@@ -11,8 +11,9 @@ from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, Sam
 
 from brickyard import fit
 from brickyard.callbacks import Callback
-from brickyard.data.bundle import Draw
-from brickyard.data.loaders import BatchPlan, _PlanSampler
+from brickyard.config import load_config
+from brickyard.data.bundle import Draw, Split
+from brickyard.data.loaders import BatchPlan, _PlanSampler, make_train_loader
 from brickyard.errors import DataError
 from conftest import run_cli
 
@@ -246,3 +247,36 @@ def test_data_balance_on_an_image_folder_from_the_cli(tmp_path):
     log = (tmp_path / "run" / "train.log").read_text()
     assert "data.balance: each epoch draws 13 training images with replacement, each of the 3 classes equally likely " \
            "(their images: 1 to 6)" in log
+
+
+def test_a_loaders_drop_last_leaves_out_the_last_partial_global_batch(tmp_path):
+    """``DataLoader(drop_last=True)`` sets ``data.drop_last``: each epoch is its full global batches only, on any
+    number of ranks, with the weights of the Dataset and that key; an evaluation loader's drop_last is said and
+    not applied (every sample is scored). Before, it was dropped silently and the last partial batch trained."""
+    for world in (1, 3):
+        kept = [BatchPlan(100, 30 // world, world, r, seed=1, global_batch=30) for r in range(world)]
+        dropped = [BatchPlan(100, 30 // world, world, r, seed=1, global_batch=30, drop_last=True) for r in range(world)]
+        assert kept[0].steps_per_epoch == 4 and dropped[0].steps_per_epoch == 3
+        for a, b in zip(kept, dropped):
+            assert [torch.equal(x, y) for (x, _), (y, _) in zip(a.batches(0), b.batches(0))] == [True] * 3
+    with pytest.raises(DataError, match="data.drop_last leaves out an epoch's last partial global batch, and an epoch "
+                                        "of 20 samples is shorter than the global batch of 30"):
+        BatchPlan(20, 30, seed=1, drop_last=True)
+    x, y = _data()
+    cfg = load_config(None, ["data.drop_last=true", "data.batch_size=16", "data.global_batch_size=0"]).data
+    assert make_train_loader(Split(x, y), cfg, torch.device("cpu"), 1, 0, 0).plan.steps_per_epoch == 7  # as train plans
+    ds = Seen(x, y)
+    model = _model()
+    s = fit(model, DataLoader(ds, batch_size=16, shuffle=True, drop_last=True),
+            DataLoader(Subset(ds, range(50)), batch_size=15, drop_last=True), run_dir=tmp_path / "loader",
+            overrides=OV + ["train.epochs=2"])
+    assert s["steps"] == 14  # 120 samples: 7 full batches of 16 an epoch (8 with the last 8 samples)
+    log = (tmp_path / "loader" / "train.log").read_text()
+    assert "with its batch of 16 per device (data.batch_size), its last partial batch left out (data.drop_last); " in log
+    assert "val_data: a DataLoader, read as its Dataset with its batch of 15 (data.eval_batch_size); its drop_last is not " \
+           "applied: an evaluation reads every sample once" in log
+    plain = _model()
+    s2 = fit(plain, ds, Subset(ds, range(50)), run_dir=tmp_path / "dataset",
+             overrides=OV + ["train.epochs=2", "data.batch_size=16", "data.eval_batch_size=15", "data.drop_last=true"])
+    assert s2["steps"] == 14 and s2["val_accuracy"] == s["val_accuracy"]
+    assert all(torch.equal(model.state_dict()[k], plain.state_dict()[k]) for k in model.state_dict())

@@ -60,6 +60,7 @@ class DataConfig:
     random_erasing: float = _opt(0.0, min=0.0, max=1.0, doc="probability of erasing one rectangle of an image with noise (timm's --reprob, pixel mode)")
     mixup: float = _opt(0.0, min=0.0, max=100.0, doc="mixup Beta alpha, e.g. 0.2 (timm's --mixup); 0 = off; targets become class probabilities")
     cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
+    drop_last: bool = _opt(False, doc="training: leave out an epoch's last global batch when it is smaller than the others (torch's DataLoader drop_last; a DataLoader given to fit sets it); false keeps it, scaled by its size")
     balance: bool = _opt(False, doc="draw each epoch's training images at random with replacement, every class equally likely (torch's WeightedRandomSampler, weights 1 / the class's count), as many as the split holds: for a data set with rare classes")
     tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1)")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

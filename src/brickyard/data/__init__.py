@@ -378,14 +378,20 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
                    if draw is not None or fn is not None else dataset)
         sets.setdefault(batch_key, batches.batch_size)  # val_data's evaluation batch before test_data's
         if name != "train_data":
-            notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} ({batch_key})")
+            unused = "; its drop_last is not applied: an evaluation reads every sample once" if batches.drop_last else ""
+            notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} "
+                         f"({batch_key}){unused}")
             continue
+        dropped = ""
+        if batches.drop_last:
+            sets["data.drop_last"] = "true"
+            dropped = ", its last partial batch left out (data.drop_last)"
         workers = ""
         if data.num_workers:
             sets["data.num_workers"] = data.num_workers
             workers = f" and {data.num_workers} loader workers"
         notes.append(f"{name}: a DataLoader, read as its Dataset{how} with its batch of {batches.batch_size} per device "
-                     f"({batch_key}){workers}; brickyard {'draws' if draw else 'shuffles'} and shards it")
+                     f"({batch_key}){workers}{dropped}; brickyard {'draws' if draw else 'shuffles'} and shards it")
     return out, [f"{k}={v}" for k, v in sets.items()], notes
 
 

@@ -34,7 +34,8 @@ class BatchPlan:
     contiguous part (``tensor_split``: parts differ by at most one when the world does not divide G),
     so the ranks' shards are disjoint and together cover the epoch. The batches depend on G, never
     on the world size, so any number of ranks (and a resume on another number) sees the same global
-    batches. A final partial global batch is kept when every rank gets at least one sample.
+    batches. A final partial global batch is kept when every rank gets at least one sample, and left out with
+    ``drop_last`` (``data.drop_last``: torch's DataLoader ``drop_last``, for the global batch).
 
     ``draw`` (a DataLoader's weighted or replacement sampler, ``bundle.Draw``): the epoch is the ``draw.count``
     indices drawn with the same seeded generator in place of the permutation, sharded the same way. Lightning
@@ -44,7 +45,7 @@ class BatchPlan:
     """
 
     def __init__(self, n: int, batch_size: int, world: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
-                 global_batch: int | None = None, draw: Draw | None = None):
+                 global_batch: int | None = None, draw: Draw | None = None, drop_last: bool = False):
         self.size, self.draw = n, draw  # samples in the split; an epoch reads n of them (draw.count when drawn)
         n = draw.count if draw is not None else n
         self.n, self.batch_size, self.world, self.rank, self.seed, self.shuffle = n, batch_size, world, rank, seed, shuffle
@@ -53,7 +54,11 @@ class BatchPlan:
             raise ConfigError(f"data.global_batch_size: a global batch of {self.global_batch} (per accumulation step) "
                               f"is smaller than the {world} processes; each needs at least one image.")
         full, rem = divmod(n, self.global_batch)
-        self.steps_per_epoch = full + (1 if rem >= world else 0)
+        self.steps_per_epoch = full + (1 if rem >= world and not drop_last else 0)
+        if self.steps_per_epoch == 0 and drop_last and n >= world:
+            raise DataError(f"data.drop_last leaves out an epoch's last partial global batch, and an epoch of {n} samples "
+                            f"is shorter than the global batch of {self.global_batch}: nothing is left to train on; use a "
+                            f"smaller batch or data.drop_last false.")
         if self.steps_per_epoch == 0:
             what = f"an epoch draws {n} samples" if draw is not None else f"the training split has {n} samples"
             raise DataError(f"{what}, fewer than the {world} ranks; use a smaller world size.")
@@ -268,7 +273,8 @@ def _own_cores(world: int) -> int:
 def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank: int, seed: int, accum: int = 1):
     """The loader ``data.loader`` asks for (``auto``: in memory when the split is a tensor)."""
     g = step_batch(cfg, accum, world)
-    plan = BatchPlan(len(split), max(1, g // world), world, rank, seed, global_batch=g, draw=split.draw)
+    plan = BatchPlan(len(split), max(1, g // world), world, rank, seed, global_batch=g, draw=split.draw,
+                     drop_last=cfg.drop_last)
     kind = cfg.loader
     if kind == "auto":
         kind = "memory" if split.images is not None else "stream"

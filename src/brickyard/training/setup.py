@@ -69,7 +69,7 @@ def plan(cfg: Config, data, info, run_dir: Path) -> Plan:
     data_world = layout.trainers if layout is not None else info.world_size
     g = step_batch(cfg.data, t.grad_accum, data_world)
     batches = BatchPlan(len(data.train), max(1, g // data_world), data_world, min(info.rank, data_world - 1), t.seed,
-                        global_batch=g, draw=data.train.draw)
+                        global_batch=g, draw=data.train.draw, drop_last=cfg.data.drop_last)
     per_epoch = batches.steps_per_epoch // t.grad_accum
     if per_epoch == 0:
         raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {batches.steps_per_epoch} batches in an epoch.")
