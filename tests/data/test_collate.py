@@ -127,3 +127,34 @@ def test_a_collate_fn_that_does_not_give_a_pair_a_sample_is_one_sentence(tmp_pat
         fit(_model(), DataLoader(ds, batch_size=16, collate_fn=broken), run_dir=tmp_path / "broken",
             overrides=OV + ["data.num_workers=0"])
     assert caught.traceback[-1].name == "broken"
+
+
+class NeedsOpening(torch.utils.data.Dataset):
+    """A Dataset whose file each loader worker opens in the loader's worker_init_fn (as h5py and LMDB readers are
+    used): an item read in a worker that did not run it raises."""
+    opened_in = None
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None and NeedsOpening.opened_in != torch.utils.data.get_worker_info().id:
+            raise RuntimeError("the worker did not open the file")
+        return self.x[i, None], self.y[i]
+
+
+def open_file(worker_id):
+    NeedsOpening.opened_in = worker_id
+
+
+def test_a_worker_init_fn_runs_in_each_of_brickyards_loader_workers(tmp_path):
+    """The loaders' worker_init_fn, in training and evaluation workers (2 each)."""
+    x, y = _data()
+    ds = NeedsOpening(x, y)
+    s = fit(_model(), DataLoader(ds, batch_size=16, num_workers=2, worker_init_fn=open_file),
+            DataLoader(ds, batch_size=20, num_workers=2, worker_init_fn=open_file), run_dir=tmp_path / "r",
+            overrides=OV + ["data.num_workers=2"])
+    assert s["steps"] == 18 and s["val_accuracy"] is not None

@@ -349,7 +349,8 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
     into that plan (``_sampler``): a ``SubsetRandomSampler``'s indices, a ``WeightedRandomSampler``'s or
     replacement sampler's draws, a ``DistributedSampler`` as the sharding brickyard does anyway. A ``collate_fn`` of
     the user's batches the split's items, in training and evaluation, as it would in the loader (``loaders.UserCollate``:
-    it returns ``(inputs, labels)`` or a dict of them, one for each item). A loader that samples or batches in another
+    it returns ``(inputs, labels)`` or a dict of them, one for each item); a ``worker_init_fn`` runs in each of
+    brickyard's loader workers; ``drop_last`` sets ``data.drop_last``. A loader that samples or batches in another
     way (a sampler or batch sampler of its own class, an IterableDataset, no batching) is one sentence rather than a
     run that silently drops what it does."""
     out, sets, notes = [], {}, []
@@ -374,8 +375,9 @@ def from_loaders(train, val=None, test=None) -> tuple[list, list[str], list[str]
         fn = data.collate_fn if data.collate_fn is not torch.utils.data.default_collate else None
         if fn is not None:
             how += f" and its collate_fn ({getattr(fn, '__name__', type(fn).__name__)})"
-        out.append(Split(dataset=dataset, draw=draw, collate=UserCollate(fn, name) if fn else None)
-                   if draw is not None or fn is not None else dataset)
+        init = data.worker_init_fn
+        out.append(Split(dataset=dataset, draw=draw, collate=UserCollate(fn, name) if fn else None, worker_init=init)
+                   if draw is not None or fn is not None or init is not None else dataset)
         sets.setdefault(batch_key, batches.batch_size)  # val_data's evaluation batch before test_data's
         if name != "train_data":
             unused = "; its drop_last is not applied: an evaluation reads every sample once" if batches.drop_last else ""

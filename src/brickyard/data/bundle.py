@@ -32,6 +32,7 @@ class Split:
     dataset: torch.utils.data.Dataset | None = None
     draw: Draw | None = None  # training: how an epoch's indices are drawn (None: a permutation of every sample)
     collate: object = None  # a DataLoader's own collate_fn (``loaders.UserCollate``): the dataset's items as it batches them
+    worker_init: object = None  # a DataLoader's worker_init_fn: called in each loader worker process, as torch calls it
 
     def __len__(self) -> int:
         return len(self.labels) if self.labels is not None else len(self.dataset)

@@ -131,7 +131,8 @@ class StreamLoader:
                  prefetch: int = 2, pin_memory: bool = True):
         self.plan, self.device = plan, device
         self.sampler = _PlanSampler(plan, getattr(split.dataset, "seeded", False))
-        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=split.collate or collate)
+        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=split.collate or collate,
+                      worker_init_fn=split.worker_init)
         if num_workers > 0:
             kwargs.update(prefetch_factor=prefetch, persistent_workers=True)
         self.loader = torch.utils.data.DataLoader(split.as_dataset(), batch_sampler=self.sampler, **kwargs)
@@ -305,6 +306,7 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
         keys = [(i, i) for i in keys]
     subset = torch.utils.data.Subset(split.dataset, keys)
     workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, collate_fn=split.collate or collate)
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, collate_fn=split.collate or collate,
+                                         worker_init_fn=split.worker_init)
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)
