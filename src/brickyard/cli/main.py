@@ -58,6 +58,7 @@ def run() -> None:
     With torch, torch._dynamo and matplotlib loaded, Python spends 0.5-1 s destroying modules at
     exit. After a successful command everything brickyard wrote is closed (logs, metrics, event
     files, checkpoints, the loader's workers), so only the standard streams need flushing."""
+    dist.OWN_PROCESS = True
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # leaving now: a second Ctrl-C must not print a traceback
     sys.stdout.flush()

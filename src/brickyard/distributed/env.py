@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from brickyard.errors import JobEnvironmentError
 
+# Set by the console entry point (``cli.main.run``): this process is brickyard's own command, which may end itself
+# when its node is cut off from the job (``Heartbeat``'s ``on_lost``); never in a user's Python process.
+OWN_PROCESS = False
+
 
 @dataclass(frozen=True)
 class DistInfo:

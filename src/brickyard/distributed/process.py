@@ -299,17 +299,26 @@ def _within(seconds: float, call):
     return found[0] if found else None
 
 
+LOST_GRACE_S = 15.0  # after this rank's own write to the store failed, how long the process has to end by itself
+
+
 class Heartbeat:
     """A daemon thread that writes this rank's wall time to the job's store every ``interval`` s.
 
     When a collective times out, ``silent_ranks()`` names the ranks whose heartbeat stopped (a
     process that is frozen, swapped out or on a lost machine), so the error can say which rank
     stopped answering. Without a store (one process) it does nothing.
+
+    ``on_lost``: called on a daemon timer ``grace`` s after one of this rank's writes failed while it ran (the store
+    went out of reach: a cut network, the store's host gone), unless the process has ended by then; ``stop()`` does
+    not disarm it once armed, since a hang can come after it (the process group's teardown). brickyard's own commands end themselves there, so that a node cut off from the job ends in bounded time
+    even when its main thread waits on something with no timeout of its own: a cut-network test once left a
+    worker that had met the store's timeout running for minutes, its error unsaid.
     """
 
-    def __init__(self, info: DistInfo, interval: float = 1.0):
-        self.info, self.interval = info, interval
-        self.store = _job_store(info)
+    def __init__(self, info: DistInfo, interval: float = 1.0, on_lost=None, grace: float = LOST_GRACE_S, store=None):
+        self.info, self.interval, self.on_lost, self.grace = info, interval, on_lost, grace
+        self.store = store if store is not None else _job_store(info)
         self.last_ok = time.time()
         self._stop = threading.Event()
         self._thread = None
@@ -322,6 +331,10 @@ class Heartbeat:
             try:
                 self.store.set(f"brickyard/heartbeat/{self.info.rank}", repr(time.time()))
             except Exception:  # noqa: BLE001  the store went away: the job is ending
+                if self.on_lost is not None and not self._stop.is_set():
+                    timer = threading.Timer(self.grace, self.on_lost)
+                    timer.daemon = True
+                    timer.start()
                 return
             self.last_ok = time.time()
             self._stop.wait(self.interval)

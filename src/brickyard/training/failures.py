@@ -5,11 +5,15 @@ or re-raises it when it is a bug of ours (a traceback is then the right answer).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
+import sys
+from pathlib import Path
 
 import torch
 
+from brickyard.distributed import env as dist_env
 from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError, CollectiveError, is_comm_failure
 from brickyard.training import memory
@@ -74,3 +78,27 @@ def determinism_error(e: BaseException, device: torch.device) -> str | None:
         return (f"train.deterministic on {device} needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the "
                 f"process starts (`brickyard train` sets it; set it yourself when calling brickyard from Python).")
     return None
+
+
+def cut_off(rank: int, log_dir: Path, grace: float):
+    """What a brickyard command does when its node lost the job's store and the run had not ended ``grace`` s later
+    (``Heartbeat``'s ``on_lost``): it writes every thread's stack to this rank's workerlog (where it waited), says the
+    collective error's sentence where this process says errors, and ends with exit code 2. Called on a timer thread,
+    so it takes no lock the waiting main thread may hold (the log's handlers)."""
+    def end():
+        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        log = Path(log_dir) / f"workerlog.{rank}"
+        msg = (f"rank {rank}: this node lost its connection to the job's store at {store}, is the network between the "
+               f"nodes down? (training had not ended {grace:g}s later, so this process ended itself; the stacks of its "
+               f"threads are in {log})")
+        try:
+            with open(log, "a") as f:
+                f.write(f"error: {msg}\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError:
+            pass
+        if dist_env.prints_errors():
+            print(f"error: {msg}.", file=sys.stderr, flush=True)
+        os._exit(2)
+    return end

@@ -34,6 +34,7 @@ from brickyard.data import DataBundle, balance
 from brickyard.data.loaders import check_readers
 from brickyard.distributed import parameter_server as ps
 from brickyard.distributed import process as dist
+from brickyard.distributed import env as dist_env
 from brickyard.errors import BrickyardError, DataError, UserCodeError, reason
 from brickyard.models import find_blocks
 from brickyard.observe.logs import Logger
@@ -222,7 +223,10 @@ def _logged(req: Request, host: dev.Host, rundir: RunDir) -> dict:
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if info.is_main else None)
     heartbeat, done = None, False
     try:
-        heartbeat = dist.Heartbeat(info)
+        # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
+        # left alone): it may wait on something with no timeout of its own
+        lost = failures.cut_off(info.rank, log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
+        heartbeat = dist.Heartbeat(info, on_lost=lost)
         summary = _train(req, host, log, metrics, rundir)
         done = True
         return summary
