@@ -25,9 +25,9 @@ class ReduceLROnPlateau(Callback):
     best). Use it with ``schedule.name: none`` in a callback of your own for its behaviour.
 
     The rate brickyard's schedule gives is multiplied by ``run.lr_scale``, which this callback sets to the product of
-    its reductions, so warm-up, or a cosine or one-cycle schedule under it, keep their shape. The validation metrics are the job's
-    (every rank reads the same), so every rank lowers its rate at the same step; the state (best, wait, cooldown,
-    scale) is saved in each checkpoint and a resumed run goes on as the uninterrupted one would.
+    its reductions, so warm-up, or a cosine or one-cycle schedule under it, keep their shape. The validation metrics
+    are the job's (every rank reads the same), so every rank lowers its rate at the same step; the state (best, wait,
+    cooldown, scale) is saved in each checkpoint and a resumed run goes on as the uninterrupted one would.
     """
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, min_delta: float = 1e-4,
@@ -35,7 +35,8 @@ class ReduceLROnPlateau(Callback):
         if monitor not in MONITORS:
             raise ConfigError(f"ReduceLROnPlateau: monitor {monitor!r} is not one of {', '.join(MONITORS)}.")
         if not 0 < factor < 1:
-            raise ConfigError(f"ReduceLROnPlateau: factor {factor!r} must lie between 0 and 1 (the rate is multiplied by it).")
+            raise ConfigError(f"ReduceLROnPlateau: factor {factor!r} must lie between 0 and 1 (the rate is multiplied "
+                              f"by it).")
         for name, value in (("patience", patience), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"ReduceLROnPlateau: {name} {value!r} must be a whole number of validations, 0 or more.")

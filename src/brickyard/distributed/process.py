@@ -311,9 +311,10 @@ class Heartbeat:
 
     ``on_lost``: called on a daemon timer ``grace`` s after one of this rank's writes failed while it ran (the store
     went out of reach: a cut network, the store's host gone), unless the process has ended by then; ``stop()`` does
-    not disarm it once armed, since a hang can come after it (the process group's teardown). brickyard's own commands end themselves there, so that a node cut off from the job ends in bounded time
-    even when its main thread waits on something with no timeout of its own: a cut-network test once left a
-    worker that had met the store's timeout running for minutes, its error unsaid.
+    not disarm it once armed, since a hang can come after it (the process group's teardown). brickyard's own
+    commands end themselves there, so that a node cut off from the job ends in bounded time even when its main
+    thread waits on something with no timeout of its own: a cut-network test once left a worker that had met the
+    store's timeout running for minutes, its error unsaid.
     """
 
     def __init__(self, info: DistInfo, interval: float = 1.0, on_lost=None, grace: float = LOST_GRACE_S, store=None):
