@@ -11,8 +11,8 @@ import brickyard
 from brickyard import api
 from brickyard.training import checkpoint
 from brickyard.callbacks import EMA, CSVLogger, EarlyStopping, MaxTime
-from brickyard.errors import BrickyardError
-from conftest import run_cli
+from brickyard.errors import BrickyardError, ConfigError
+from conftest import run_cli, sets
 
 BASE = {"train": {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False,
                   "tensorboard": False, "epochs": 3}, "data": {"batch_size": 32}}
@@ -286,3 +286,35 @@ def test_layer_outputs_are_captured_every_n_steps_and_other_steps_run_without_ho
     assert all(spy.modes) and spy.predicted == (4, 2)  # predict inside a callback leaves the model training
     with pytest.raises(Exception, match="LayerOutputs: nope match no module"):
         api.fit(mlp(), (points, labels), config=cfg(epochs=1), callbacks=[LayerOutputs("nope")], run_dir=tmp_path / "bad")
+
+
+def test_checkpoint_monitor_picks_best_pt_by_the_metric_named(tmp_path):
+    """``best.pt`` holds the validation with the lowest val_loss under ``checkpoint.monitor: val_loss`` and the highest
+    val_accuracy under ``auto``, read against what each validation logged (a rate at which the two differ);
+    a monitor the run cannot have is one sentence before anything is written."""
+    x, y = spirals(320)
+    seen = {}
+    for monitor in ("val_loss", "auto"):
+        class Keep(brickyard.Callback):
+            def on_validation_end(self, run, metrics, monitor=monitor):
+                seen.setdefault(monitor, []).append((metrics["loss"], metrics["accuracy"], run.step,
+                                                     {k: v.clone() for k, v in run.model.state_dict().items()}))
+        torch.manual_seed(0)
+        api.fit(mlp(), (x, y), val_data=(x[:64], y[:64]), callbacks=[Keep()], run_dir=tmp_path / monitor,
+                config=cfg(epochs=12) | {"optim": {"name": "sgd", "lr": 1.0}, "checkpoint": {"monitor": monitor}})
+    by_loss = min(seen["val_loss"], key=lambda v: (v[0], v[2]))
+    by_accuracy = max(seen["auto"], key=lambda v: (v[1], -v[2]))
+    assert by_loss[2] != by_accuracy[2]  # the two rules pick different validations here
+    for monitor, want in (("val_loss", by_loss), ("auto", by_accuracy)):
+        best = torch.load(tmp_path / monitor / "checkpoints" / "best.pt", weights_only=True)
+        assert best["step"] == want[2] and all(torch.equal(best["model"][k], v) for k, v in want[3].items())
+    for extra, said in ((["data.train_on_all=true"], "checkpoint.monitor: val_loss picks best.pt from the validations, "
+                                                     "and this run has no validation data"),):
+        r = run_cli("train", "mnist", *sets("checkpoint.monitor=val_loss", *extra), "--run-dir", str(tmp_path / "cli"))
+        assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {said}"), r.stderr
+        assert not (tmp_path / "cli").exists()
+    with pytest.raises(ConfigError, match="checkpoint.monitor: val_accuracy scores classes, and this run's labels are "
+                                          "not classes"):
+        api.fit(torch.nn.Linear(2, 1), (x, x[:, :1]), val_data=(x, x[:, :1]), loss_fn=torch.nn.functional.mse_loss,
+                config=cfg(epochs=1) | {"checkpoint": {"monitor": "val_accuracy"}}, run_dir=tmp_path / "reg")
+    assert not (tmp_path / "reg").exists()

@@ -1,17 +1,29 @@
 """``Checkpointing``: when to save. ``step-N.pt`` every ``checkpoint.every_steps`` and at epoch ends,
-``best.pt`` by validation accuracy (else loss), and a last save when the loop ends (a stop,
-``max_steps``). What is saved, where and how is ``training.checkpoint.Checkpoints``'."""
+``best.pt`` by ``checkpoint.monitor`` (``auto``: validation accuracy, else loss), and a last save when the loop
+ends (a stop, ``max_steps``). What is saved, where and how is ``training.checkpoint.Checkpoints``'."""
 from __future__ import annotations
 
 from brickyard.callbacks.base import Callback
+from brickyard.errors import ConfigError
 
 
 class Checkpointing(Callback):
     """Decides when the run's ``Checkpoints`` save (every rank calls it: under FSDP saving is collective)."""
 
-    def __init__(self, checkpoints, every_steps: int, every_epoch: bool):
-        self.checkpoints, self.every_steps, self.every_epoch = checkpoints, every_steps, every_epoch
+    def __init__(self, checkpoints, every_steps: int, every_epoch: bool, monitor: str = "auto"):
+        self.checkpoints, self.every_steps, self.every_epoch, self.monitor = checkpoints, every_steps, every_epoch, monitor
         self.saved_at = None
+
+    def metric(self, val: dict) -> float:
+        """The validation's score for ``best.pt``, higher better: an accuracy as it is, a loss negated."""
+        if self.monitor == "auto":
+            return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]
+        name = self.monitor[len("val_"):]
+        if val.get(name) is None:
+            have = ", ".join(f"val_{k}" for k, v in val.items() if isinstance(v, float))
+            raise ConfigError(f"checkpoint.monitor: {self.monitor} is not among this run's metrics ({have}); pick one "
+                              f"of them or auto.")
+        return -val[name] if name == "loss" else val[name]
 
     def save(self, run, metric: float | None = None) -> None:
         self.saved_at = run.step
@@ -24,11 +36,22 @@ class Checkpointing(Callback):
     def on_epoch_end(self, run):
         if self.every_epoch or run.step >= run.total_steps:
             val = run.metrics if run.validated_at == run.step else None
-            metric = None
-            if val is not None:
-                metric = val["accuracy"] if val["accuracy"] is not None else -val["loss"]
-            self.save(run, metric)
+            self.save(run, self.metric(val) if val is not None else None)
 
     def on_loop_end(self, run):
         if self.saved_at != run.step:
             self.save(run)
+
+
+def check_monitor(cfg, data) -> None:
+    """Before anything is written: ``checkpoint.monitor`` names a metric this run's validations will have."""
+    c = cfg.checkpoint
+    if c.monitor == "auto" or not c.keep_best:
+        return
+    if data.val is None:
+        raise ConfigError(f"checkpoint.monitor: {c.monitor} picks best.pt from the validations, and this run has no "
+                          f"validation data: hold some out (data.train_on_all false, data.val_fraction, fit's val_data), "
+                          f"or set it to auto.")
+    if c.monitor != "val_loss" and not data.num_classes:
+        raise ConfigError(f"checkpoint.monitor: {c.monitor} scores classes, and this run's labels are not classes; use "
+                          f"val_loss or auto.")

@@ -205,6 +205,7 @@ class CheckpointConfig:
     every_epoch: bool = _opt(True)
     keep_last: int = _opt(2, min=1)
     keep_best: bool = _opt(True)
+    monitor: str = _opt("auto", choices=("auto", "val_loss", "val_accuracy", "val_top5"), doc="the validation metric that picks best.pt (lower loss, higher accuracy); auto: val_accuracy where the run scores accuracy, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from brickyard.callbacks import from_config, reduce_lr
+from brickyard.callbacks.checkpointing import check_monitor
 from brickyard.config import Config
 from brickyard.data import DataBundle, balance
 from brickyard.data.loaders import check_readers
@@ -165,6 +166,7 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     check_class_weights(cfg.optim.class_weights, data.num_classes,  # likewise
                         "loss_fn" if loss_fn is not None else "train_step" if train_step is not None else None)
     reduce_lr.check(cfg, req.callbacks, data)  # likewise
+    check_monitor(cfg, data)  # likewise
     check_installed(loggers(cfg.train))  # likewise
     if req.info.rank == 0:
         check_reachable(loggers(cfg.train))  # likewise: a tracking server that takes no connection

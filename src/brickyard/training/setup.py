@@ -233,7 +233,7 @@ def callbacks_for(run: Run, metrics, tb, extra) -> CallbackList:
     e.checkpoints = ckpt.Checkpoints(run.run_dir / "checkpoints", c.keep_last, c.keep_best, run.is_main, guard)
     hint = None if run.data.in_memory else "try more data.num_workers"
     own = [ProgressLog(run, metrics, tb, hint, guard), NotLearning(stop=t.stop_if_not_learning),
-           Checkpointing(e.checkpoints, c.every_steps, c.every_epoch)]
+           Checkpointing(e.checkpoints, c.every_steps, c.every_epoch, c.monitor)]
     if t.watch:
         own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
     if t.test_every:
