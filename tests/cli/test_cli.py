@@ -177,7 +177,8 @@ def test_run_says_when_its_own_options_follow_the_script(tmp_path):
     """Options after the script are the script's (torchrun's rule), so `brickyard run script.py --devices cpu:2`
     runs one process; a note says where the option went, and the script still gets its arguments."""
     script = tmp_path / "show.py"
-    script.write_text("import os, sys\nprint('args', sys.argv[1:], 'world', os.environ.get('WORLD_SIZE'))\n")
+    # one write a line: the two processes of the second run share stdout, and print's pieces interleaved once
+    script.write_text("import os, sys\nos.write(1, f\"args {sys.argv[1:]} world {os.environ.get('WORLD_SIZE')}\\n\".encode())\n")
     r = run_cli("run", str(script), "--devices", "cpu:2", "--epochs=3")
     assert r.returncode == 0, r.stderr
     assert "args ['--devices', 'cpu:2', '--epochs=3'] world 1" in r.stdout
