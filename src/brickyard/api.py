@@ -17,7 +17,7 @@ from brickyard.config import Config, build, load_config
 from brickyard.data import DataBundle, build_data, from_loaders, from_user
 from brickyard.data.augment import DevicePrep, float_dtype
 from brickyard.distributed import env as dist_env
-from brickyard.errors import ConfigError
+from brickyard.errors import ConfigError, DataError
 from brickyard.models import pretrained
 from brickyard.models.finetune import prepare
 from brickyard.observe.logs import Logger
@@ -49,7 +49,7 @@ def resolve_config(config=None, overrides=()) -> Config:
 
 def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, callbacks=(), loss_fn=None,
         train_step=None, num_classes=None, run_dir=None, resume=None, overrides=(), epochs=None, batch_size=None,
-        validation_split=None, class_weight=None) -> dict:
+        validation_split=None, class_weight=None, validation_data=None, validation_freq=None, verbose=None) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
@@ -81,13 +81,20 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     ``epochs``, ``batch_size`` and ``validation_split`` are Keras's ``fit`` keywords, set on top of ``config`` and
     ``overrides``: ``train.epochs``, ``data.global_batch_size`` (Keras's batch is the global one: each of N
     processes takes its share) and ``data.val_fraction`` (a random part held out, where Keras takes the last).
+    So are ``validation_data`` (``val_data``), ``validation_freq`` (``train.eval_every``, epochs between validations)
+    and ``verbose`` (``train.progress``: 0 none, 1 a bar, 2 plain lines; brickyard's set-up lines print at every
+    level), as keras/src/trainers/trainer.py documents them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(overrides, str):
         overrides = [overrides]  # one KEY=VALUE, not its characters
+    val_data = _keras_validation(train_data, val_data, validation_data)
     (train_data, val_data, test_data), from_loader, loader_notes = from_loaders(train_data, val_data, test_data)
-    keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split}
+    if verbose is not None and verbose not in (0, 1, 2):
+        raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an epoch).")
+    keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split,
+             "train.eval_every": validation_freq, "train.progress": {0: "none", 1: "bar", 2: "plain"}.get(verbose)}
     overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
@@ -107,6 +114,24 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
                  log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step)
+
+
+def _keras_validation(train_data, val_data, validation_data):
+    """``val_data``, or Keras's ``validation_data`` in its place (one of them). ``fit(model, x, y)`` as Keras's
+    ``model.fit(x, y)`` is written would take ``y`` for the validation data: arrays of one length in both places are
+    one sentence that shows the pair instead."""
+    if validation_data is not None:
+        if val_data is not None:
+            raise ConfigError("val_data and validation_data (Keras's name) are both given; pass one of them.")
+        if isinstance(validation_data, tuple) and len(validation_data) == 3:
+            raise DataError("validation_data: (x, y, sample_weight) weighs the validation samples, which brickyard does "
+                            "not; pass (x, y).")
+        val_data = validation_data
+    if hasattr(train_data, "__array__") and hasattr(val_data, "__array__") and not isinstance(train_data, (tuple, list)) \
+            and len(train_data) == len(val_data):
+        raise DataError("train_data is one array and val_data another of the same length: fit takes the training data "
+                        "as one (inputs, labels) pair, fit(model, (x, y)), where Keras's model.fit takes fit(x, y).")
+    return val_data
 
 
 def _class_weights(given, num_classes: int) -> tuple:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -368,6 +369,33 @@ def test_fit_takes_keras_epochs_batch_size_and_validation_split(tmp_path):
     with pytest.raises(ConfigError, match="train.epochs: -1 is below the minimum"):
         api.fit(torch.nn.Linear(4, 3), (x, y), config=cfg, run_dir=tmp_path / "b", epochs=-1)
     assert not (tmp_path / "b").exists()
+
+
+def test_fit_takes_keras_validation_data_validation_freq_and_verbose(tmp_path, capsys):
+    """``validation_data=(x_val, y_val)`` is ``val_data``, ``validation_freq`` ``train.eval_every`` and ``verbose`` 0
+    / 1 / 2 ``train.progress`` none / bar / plain, as Keras's ``fit`` takes them; ``fit(model, x, y)`` as Keras
+    writes it, sample weights in the validation data, both names at once and a verbose Keras does not have are
+    one sentence, before anything is written."""
+    import numpy as np
+    from brickyard.errors import ConfigError, DataError
+    x, y = np.random.default_rng(0).random((100, 4), dtype=np.float32), np.arange(100) % 3
+    cfg = {"train": {"device": "cpu", "plots": False, "tensorboard": False, "precision": "fp32", "threads": 1,
+                     "log_every": 1000}}
+    s = api.fit(torch.nn.Linear(4, 3), (x[:80], y[:80]), config=cfg, run_dir=tmp_path / "a", epochs=4, batch_size=40,
+                validation_data=(x[80:], y[80:]), validation_freq=2, verbose=2)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "val"] == [4, 8] and s["val_accuracy"] is not None
+    assert "epoch 2 step 4 val loss" in capsys.readouterr().out  # verbose 2: plain lines
+    api.fit(torch.nn.Linear(4, 3), (x, y), config=cfg, run_dir=tmp_path / "quiet", epochs=1, verbose=0)
+    assert "epoch 1 step" not in capsys.readouterr().out  # verbose 0: the run's set-up lines, no progress
+    bad = {"keras-order": ((x, y), {}, "fit takes the training data as one (inputs, labels) pair, fit(model, (x, y))"),
+           "weights": (((x, y),), dict(validation_data=(x, y, np.ones(100))), "validation_data: (x, y, sample_weight)"),
+           "both": (((x, y), (x, y)), dict(validation_data=(x, y)), "val_data and validation_data (Keras's name) are"),
+           "verbose": (((x, y),), dict(verbose=3), "verbose: 3 is not one of Keras's 0 (silent), 1 (a progress bar)")}
+    for name, (data, kwargs, said) in bad.items():
+        with pytest.raises((ConfigError, DataError), match=re.escape(said)):
+            api.fit(torch.nn.Linear(4, 3), *data, config=cfg, run_dir=tmp_path / name, **kwargs)
+        assert not (tmp_path / name).exists()
 
 
 def test_fit_keeps_the_classes_and_images_a_class_that_data_classes_and_train_per_class_name(tmp_path):
