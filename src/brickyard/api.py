@@ -92,7 +92,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     val_data = _keras_validation(train_data, val_data, validation_data)
     (train_data, val_data, test_data), from_loader, loader_notes = from_loaders(train_data, val_data, test_data)
     if verbose is not None and verbose not in (0, 1, 2):
-        raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an epoch).")
+        raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an "
+                          f"epoch).")
     keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split,
              "train.eval_every": validation_freq, "train.progress": {0: "none", 1: "bar", 2: "plain"}.get(verbose)}
     overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]

@@ -125,12 +125,16 @@ def test_a_plateau_without_validations_or_with_the_users_scheduler_is_one_senten
                        "no validation data"),
         "end-only": (["train.eval_every=0", "data.val_fraction=0.2"], "train.eval_every 0 validates only at the end"),
         "gamma": (["schedule.gamma=1", "data.val_fraction=0.2"], "schedule.gamma: 1 must lie between 0 and 1"),
+        "regression": (["schedule.monitor=val_accuracy", "data.val_fraction=0.2"],
+                       "schedule.name plateau watches val_accuracy, which scores classes, and this run's labels are not"),
     }
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     for name, (extra, said) in cases.items():
+        regression = name == "regression"  # float targets, a loss of the user's
         with pytest.raises(ConfigError, match=said):
-            fit(torch.nn.Linear(4, 2), (x, y), run_dir=tmp_path / name,
-                overrides=["train.progress=none", "schedule.name=plateau", *extra])
+            fit(torch.nn.Linear(4, 1 if regression else 2), (x, y.float()[:, None] if regression else y),
+                run_dir=tmp_path / name, overrides=["train.progress=none", "schedule.name=plateau", *extra],
+                loss_fn=torch.nn.functional.mse_loss if regression else None)
         assert not (tmp_path / name).exists()
     with pytest.raises(ConfigError, match="ReduceLROnPlateau scales brickyard's learning-rate schedule, and schedule.name "
                                           "none leaves the rates to a scheduler of your own"):

@@ -106,6 +106,9 @@ def check(cfg, callbacks, data) -> None:
         raise ConfigError(f"{what} lowers the learning rate when {monitor} stops improving, and this run has no "
                           f"validation data: hold some out (data.train_on_all false, data.val_fraction, fit's val_data), "
                           f"or pick another schedule.")
+    if monitor != "val_loss" and not data.num_classes:
+        raise ConfigError(f"{what} watches {monitor}, which scores classes, and this run's labels are not classes; "
+                          f"watch val_loss.")
     if not cfg.train.eval_every:
         raise ConfigError(f"{what} lowers the learning rate between validations, and train.eval_every 0 validates only "
                           f"at the end; set it to the epochs between validations.")
