@@ -87,6 +87,17 @@ class Callback:
         pass
 
 
+def monitored(metrics: dict, monitor: str, who: str, advice: str = "") -> float:
+    """The value of ``monitor`` (``val_loss``, ``val_accuracy``, ``val_top5``) in a validation's ``metrics``; one
+    sentence naming the metrics this run has where it has no such value (``who``: the callback or key that watches,
+    ``advice``: what to do instead, appended)."""
+    value = metrics.get(monitor[len("val_"):])
+    if value is None:
+        have = ", ".join(f"val_{k}" for k, v in metrics.items() if isinstance(v, float))
+        raise ConfigError(f"{who} is not among this run's metrics ({have}){advice}.")
+    return value
+
+
 class CallbackList:
     """Calls a hook on every callback in order. Two callbacks with one ``state_key`` are refused (their
     states would overwrite each other in a checkpoint)."""

@@ -3,7 +3,7 @@
 ends (a stop, ``max_steps``). What is saved, where and how is ``training.checkpoint.Checkpoints``'."""
 from __future__ import annotations
 
-from brickyard.callbacks.base import Callback
+from brickyard.callbacks.base import Callback, monitored
 from brickyard.errors import ConfigError
 
 
@@ -18,12 +18,8 @@ class Checkpointing(Callback):
         """The validation's score for ``best.pt``, higher better: an accuracy as it is, a loss negated."""
         if self.monitor == "auto":
             return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]
-        name = self.monitor[len("val_"):]
-        if val.get(name) is None:
-            have = ", ".join(f"val_{k}" for k, v in val.items() if isinstance(v, float))
-            raise ConfigError(f"checkpoint.monitor: {self.monitor} is not among this run's metrics ({have}); pick one "
-                              f"of them or auto.")
-        return -val[name] if name == "loss" else val[name]
+        value = monitored(val, self.monitor, f"checkpoint.monitor: {self.monitor}", "; pick one of them or auto")
+        return -value if self.monitor == "val_loss" else value
 
     def save(self, run, metric: float | None = None) -> None:
         self.saved_at = run.step

@@ -1,7 +1,7 @@
 """``EarlyStopping``: stop when a validation metric stops improving."""
 from __future__ import annotations
 
-from brickyard.callbacks.base import Callback
+from brickyard.callbacks.base import Callback, monitored
 from brickyard.errors import ConfigError
 
 
@@ -22,11 +22,7 @@ class EarlyStopping(Callback):
     state_key_fields = ("monitor", "min_delta")
 
     def on_validation_end(self, run, metrics):
-        name = self.monitor[len("val_"):]
-        value = metrics.get(name)
-        if value is None:
-            have = ", ".join(f"val_{k}" for k, v in metrics.items() if isinstance(v, float))
-            raise ConfigError(f"EarlyStopping: monitor {self.monitor!r} is not among this run's metrics ({have}).")
+        value = monitored(metrics, self.monitor, f"EarlyStopping: monitor {self.monitor!r}")
         if self.best is None or self.sign * (value - self.best) > self.min_delta:
             self.best, self.wait, self.best_step = value, 0, run.step
             if self.restore_best:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from brickyard.callbacks.base import Callback
+from brickyard.callbacks.base import Callback, monitored
 from brickyard.errors import ConfigError
 
 MONITORS = ("val_loss", "val_accuracy", "val_top5")
@@ -54,10 +54,7 @@ class ReduceLROnPlateau(Callback):
         run.lr_scale = self.scale  # a resumed run's reductions (load_state_dict came first)
 
     def on_validation_end(self, run, metrics):
-        value = metrics.get(self.monitor[len("val_"):])
-        if value is None:
-            have = ", ".join(f"val_{k}" for k, v in metrics.items() if isinstance(v, float))
-            raise ConfigError(f"ReduceLROnPlateau: monitor {self.monitor!r} is not among this run's metrics ({have}).")
+        value = monitored(metrics, self.monitor, f"ReduceLROnPlateau: monitor {self.monitor!r}")
         if self.cooldown_counter > 0:
             self.cooldown_counter -= 1
             self.wait = 0

@@ -131,8 +131,7 @@ class StreamLoader:
                  prefetch: int = 2, pin_memory: bool = True):
         self.plan, self.device = plan, device
         self.sampler = _PlanSampler(plan, getattr(split.dataset, "seeded", False))
-        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", collate_fn=split.collate or collate,
-                      worker_init_fn=split.worker_init)
+        kwargs = dict(num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda", **_batching(split))
         if num_workers > 0:
             kwargs.update(prefetch_factor=prefetch, persistent_workers=True)
         self.loader = torch.utils.data.DataLoader(split.as_dataset(), batch_sampler=self.sampler, **kwargs)
@@ -160,6 +159,12 @@ def collate(items):
     return torch.utils.data.default_collate(items)
 
 
+def _batching(split: Split) -> dict:
+    """The DataLoader arguments a split's loaders share, training and evaluation alike: its collate (the user's
+    loader's own, else brickyard's) and its loader's ``worker_init_fn``."""
+    return dict(collate_fn=split.collate or collate, worker_init_fn=split.worker_init)
+
+
 class UserCollate:
     """A DataLoader's own ``collate_fn`` (``fn``), for the split ``name``: the batch it makes from a list of the
     dataset's items, read as ``(inputs, labels)``. It may return a pair (as ``default_collate`` does) or a dict
@@ -170,7 +175,7 @@ class UserCollate:
     the user's, as one raised in a Dataset's ``__getitem__`` is: it reaches the caller with its traceback."""
 
     def __init__(self, fn, name: str):
-        self.fn, self.name = fn, name
+        self.fn = fn
         self.label = f"{name}: the DataLoader's collate_fn ({getattr(fn, '__name__', type(fn).__name__)})"
 
     def __call__(self, batch):
@@ -306,7 +311,6 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
         keys = [(i, i) for i in keys]
     subset = torch.utils.data.Subset(split.dataset, keys)
     workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, collate_fn=split.collate or collate,
-                                         worker_init_fn=split.worker_init)
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, **_batching(split))
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)

@@ -33,8 +33,7 @@ def explain(e: BaseException, cfg, model, data, device: torch.device, info, log,
         return e
     silent = heartbeat.silent_ranks() if heartbeat else []
     if silent is None:
-        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        who = f"this node lost its connection to the job's store at {store}, is the network between the nodes down?"
+        who = _lost_store()
     else:
         who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "a peer rank stopped answering or died"
     reason = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(e).strip())  # gloo's source file and line
@@ -80,17 +79,21 @@ def determinism_error(e: BaseException, device: torch.device) -> str | None:
     return None
 
 
+def _lost_store() -> str:
+    """What a rank says when it no longer reaches the job's store (torchrun's ``MASTER_ADDR:MASTER_PORT``)."""
+    store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return f"this node lost its connection to the job's store at {store}, is the network between the nodes down?"
+
+
 def cut_off(rank: int, log_dir: Path, grace: float):
     """What a brickyard command does when its node lost the job's store and the run had not ended ``grace`` s later
     (``Heartbeat``'s ``on_lost``): it writes every thread's stack to this rank's workerlog (where it waited), says the
     collective error's sentence where this process says errors, and ends with exit code 2. Called on a timer thread,
     so it takes no lock the waiting main thread may hold (the log's handlers)."""
     def end():
-        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         log = Path(log_dir) / f"workerlog.{rank}"
-        msg = (f"rank {rank}: this node lost its connection to the job's store at {store}, is the network between the "
-               f"nodes down? (training had not ended {grace:g}s later, so this process ended itself; the stacks of its "
-               f"threads are in {log})")
+        msg = (f"rank {rank}: {_lost_store()} (training had not ended {grace:g}s later, so this process ended itself; "
+               f"the stacks of its threads are in {log})")
         try:
             with open(log, "a") as f:
                 f.write(f"error: {msg}\n")
