@@ -147,3 +147,29 @@ def test_a_plateau_without_validations_or_with_the_users_scheduler_is_one_senten
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: schedule.name plateau lowers the learning rate")
     assert not (tmp_path / "cli").exists()
     assert load_config("mnist", ["schedule.name=plateau"]).schedule.patience == 10  # Keras's default
+
+
+def test_a_checkpoint_whose_saved_state_is_not_the_callbacks_is_one_sentence_and_nothing_changes(tmp_path):
+    """A checkpoint rewritten by a stranger (its checksum made anew) whose ReduceLROnPlateau state holds a string for
+    its scale: one sentence at the resume, not a crash at the first step, and the run's files stay as they were.
+    EarlyStopping refuses a state not its own the same way."""
+    from brickyard.callbacks import EarlyStopping
+    from brickyard.training.checkpoint import write_torch
+    run = tmp_path / "r"
+    assert run_cli("train", "mnist", *sets(*PLATEAU, "train.stop_epoch=2"), "--run-dir", str(run)).returncode == 0
+    newest = checkpoint.step_checkpoints(run / "checkpoints")[-1]
+    state = checkpoint.load(newest)
+    key = next(k for k in state["callbacks"] if k.startswith("ReduceLROnPlateau"))
+    state["callbacks"][key]["scale"] = "x"
+    write_torch(state, newest)
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "train.lock"}
+    r = run_cli("train", "mnist", *sets(*PLATEAU, "train.stop_epoch=0"), "--run-dir", str(run), "--resume", "auto")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: checkpoint {newest}: a callback's saved state does not fit it (ReduceLROnPlateau: "
+        f"{str(state['callbacks'][key])[:120]} is not its state)."], r.stderr
+    after = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "train.lock"}
+    for name, old in before.items():  # the logs say the attempt after what they held; the rest is as it was
+        assert after[name].startswith(old) if name in ("train.log", "workerlog.0") else after[name] == old, name
+    for bad in ({"best": "x", "wait": 0, "best_step": 3}, {"best": 0.5, "wait": -1, "best_step": 3}):
+        with pytest.raises(ValueError, match="is not its state"):
+            EarlyStopping().load_state_dict(bad)

@@ -1,6 +1,8 @@
 """``EarlyStopping``: stop when a validation metric stops improving."""
 from __future__ import annotations
 
+import math
+
 from brickyard.callbacks.base import Callback, monitored
 from brickyard.errors import ConfigError
 
@@ -40,4 +42,9 @@ class EarlyStopping(Callback):
         return {"best": self.best, "wait": self.wait, "best_step": self.best_step}
 
     def load_state_dict(self, state):
-        self.best, self.wait, self.best_step = state["best"], state["wait"], state["best_step"]
+        best, wait, step = state["best"], state["wait"], state["best_step"]
+        whole = [v for v in (wait, step) if v is not None]
+        if not ((best is None or isinstance(best, float) and math.isfinite(best)) and isinstance(wait, int)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in whole)):
+            raise ValueError(f"EarlyStopping: {str(state)[:120]} is not its state")
+        self.best, self.wait, self.best_step = best, wait, step

@@ -85,8 +85,12 @@ class ReduceLROnPlateau(Callback):
                 "reduced_at": list(self.reduced_at)}
 
     def load_state_dict(self, state):
-        self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
-        self.scale, self.reduced_at = state["scale"], list(state["reduced_at"])
+        best, wait, counter, scale, at = (state[k] for k in ("best", "wait", "cooldown_counter", "scale", "reduced_at"))
+        counts = (wait, counter, *at) if isinstance(at, (list, tuple)) else (None,)
+        if not (isinstance(best, float) and best == best and isinstance(scale, float) and 0 < scale <= 1
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts)):
+            raise ValueError(f"ReduceLROnPlateau: {str(state)[:120]} is not its state")
+        self.best, self.wait, self.cooldown_counter, self.scale, self.reduced_at = best, wait, counter, scale, list(at)
 
 
 def check(cfg, callbacks, data) -> None:

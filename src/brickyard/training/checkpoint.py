@@ -25,7 +25,7 @@ from brickyard import models
 from brickyard.config import Config, build, check_resumable
 from brickyard.distributed import fsdp
 from brickyard.distributed import process as dist
-from brickyard.errors import CheckpointError
+from brickyard.errors import CheckpointError, reason
 from brickyard.files import copy_atomic, read_torch, write_torch
 
 _STEP = re.compile(r"^step-(\d+)\.pt$")
@@ -132,7 +132,10 @@ class Checkpoints:
             e.scaler.load_state_dict(state["scaler"])
         if state.get("boost"):
             e.update.load_state_dict(state["boost"])
-        e.callbacks.load_state_dict(state.get("callbacks") or {})
+        try:  # a state a callback does not take (a damaged or foreign checkpoint) is said here, not met mid-run
+            e.callbacks.load_state_dict(state.get("callbacks") or {})
+        except (ValueError, TypeError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {path}: a callback's saved state does not fit it ({reason(err)}).") from err
         set_rng_state(state["rng"], run.device)
         run.step = int(state["step"])
         self.best_metric = state.get("best_metric")
