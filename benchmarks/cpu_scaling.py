@@ -28,7 +28,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from brickyard.training import device as dev
-from brickyard.training.setup import grad_sync
+from brickyard.training.ways.collective import grad_sync
 from brickyard.config import load_config
 from brickyard.distributed.gradsync import GradSync
 from brickyard.models import create

@@ -128,7 +128,7 @@ def test_processes_that_share_cores_do_not_spin(tmp_path):
 
     import torch.distributed as tdist
     from brickyard.training import device as dev
-    from brickyard.training.setup import grad_sync
+    from brickyard.training.ways.collective import grad_sync
     from brickyard.config import load_config
     cfg = load_config("mnist", ["train.precision=fp32"])
     threads = torch.get_num_threads()

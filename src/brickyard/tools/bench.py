@@ -46,7 +46,7 @@ from brickyard.observe.profiling import StepProfiler
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import device as dev
 from brickyard.training import precision
-from brickyard.training.setup import grad_sync
+from brickyard.training.ways.collective import grad_sync
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
 COMM_BOUND = 0.20

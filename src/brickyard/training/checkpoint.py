@@ -1,9 +1,9 @@
 """Checkpoints: one owner of what a checkpoint holds, how it is written, verified and restored.
 
-``Checkpoints`` is that owner: ``state(run)`` is what a checkpoint holds (weights, optimiser, scaler,
-RNG, callbacks' state, the best metric, the step, the config and the model's metadata);
-``save(run, metric)`` writes ``step-N.pt`` (and ``best.pt`` when the metric is the best so far) and
-rotates old steps away; ``restore(run, path, state)`` puts everything back, and the module's
+``Checkpoints`` is that owner of the files: ``save(run, metric)`` writes ``step-N.pt`` (and ``best.pt``
+when the metric is the best so far) and rotates old steps away; what a checkpoint holds is its trainer's
+``state_dict()`` (weights, optimiser, scaler, RNG, callbacks' state, the best metric, the step, the config
+and the model's metadata), which the trainer's ``load_state_dict`` puts back; the module's
 ``find(resume, ...)`` picks the checkpoint a run continues from. The ``Checkpointing`` callback only
 decides when.
 
@@ -17,15 +17,15 @@ refuses any pickled object other than tensors and plain containers, so a checkpo
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from brickyard import models
 from brickyard.config import Config, build, check_resumable
-from brickyard.distributed import fsdp
 from brickyard.distributed import process as dist
-from brickyard.errors import CheckpointError, reason
+from brickyard.errors import CheckpointError
 from brickyard.files import copy_atomic, read_torch, write_torch
 
 _STEP = re.compile(r"^step-(\d+)\.pt$")
@@ -92,54 +92,25 @@ def check_model(state: dict, model: torch.nn.Module, path: Path, what: str = "ch
 
 
 class Checkpoints:
-    """The one owner of a run's checkpoints (see the module docstring). Every rank has one; only the
-    one with ``write`` (rank 0) touches files. Under FSDP every rank gathers the state, rank 0 writes it."""
+    """The one owner of a run's checkpoint files (see the module docstring). Every rank has one; only the
+    one with ``write`` (rank 0) touches files. ``state_of()`` is what a checkpoint holds (the trainer's
+    ``state_dict``); ``sharded``: every rank gathers it (FSDP), rank 0 writes it; ``saved(path)`` is called
+    after each file is written (the trainer's ``on_checkpoint``)."""
 
-    def __init__(self, folder: Path, keep_last: int, keep_best: bool, write: bool, guard=None):
+    def __init__(self, folder: Path, keep_last: int, keep_best: bool, write: bool, guard=None,
+                 state_of: Callable[[], dict] | None = None, sharded: bool = False,
+                 saved: Callable[[Path], None] | None = None):
         self.folder, self.keep_last, self.keep_best, self.write = Path(folder), keep_last, keep_best, write
-        self.guard = guard            # run -> None, raises on non-finite weights (``training.step.guard``)
+        self.guard = guard            # run -> None, raises on non-finite weights (``training.step.NanGuard``)
+        self.state_of, self.sharded, self.saved = state_of, sharded, saved
         self.best_metric: float | None = None
 
-    # what a checkpoint holds
-
-    def state(self, run) -> dict:
-        data, e = run.data, run._engine
-        model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)  # FSDP: gathered on every rank
-        return {
-            "model": model_state, "optimizer": optimizer_state, "scaler": e.scaler.state_dict(),
-            "rng": rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
-            "best_metric": self.best_metric, "config": run.config.to_dict(),
-            "boost": e.update.state_dict(), "callbacks": e.callbacks.state_dict(),
-            "meta": {**e.meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
-                     "image_size": list(data.image_size), "in_channels": data.in_channels,
-                     "num_classes": data.num_classes, "data": data.name},
-        }
-
-    def restore(self, run, path: Path, state: dict) -> None:
-        """Weights, optimiser, scaler, RNG, callbacks' state, the best metric and the step of ``state``; a
-        model that does not fit, or a config that would change the run (``config.check_resumable``, what
-        ``--resume auto`` checks against ``config.yaml``), is refused first."""
+    def restore_check(self, run, path: Path, state: dict) -> None:
+        """Refuse a model that does not fit, or a config that would change the run (``config.check_resumable``,
+        what ``--resume auto`` checks against ``config.yaml``), before anything is put back."""
         check_model(state, run.model, path)
         if isinstance(state.get("config"), dict):
             check_resumable(state["config"], run.config, f"the checkpoint {path}")
-        fsdp.load_model_state(run.model, state["model"])
-        try:
-            fsdp.load_optimizer_state(run.optimizer, state["optimizer"])
-        except (ValueError, KeyError, IndexError) as err:
-            raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({err}).") from None
-        e = run._engine
-        if state.get("scaler"):
-            e.scaler.load_state_dict(state["scaler"])
-        if state.get("boost"):
-            e.update.load_state_dict(state["boost"])
-        try:  # a state a callback does not take (a damaged or foreign checkpoint) is said here, not met mid-run
-            e.callbacks.load_state_dict(state.get("callbacks") or {})
-        except (ValueError, TypeError, KeyError) as err:
-            raise CheckpointError(f"checkpoint {path}: a callback's saved state does not fit it ({reason(err)}).") from err
-        set_rng_state(state["rng"], run.device)
-        run.step = int(state["step"])
-        self.best_metric = state.get("best_metric")
-        run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
 
     # writing
 
@@ -152,7 +123,7 @@ class Checkpoints:
         under FSDP: every rank calls it. Returns the path written (rank 0), else None."""
         if self.guard is not None:
             self.guard(run)  # no non-finite weights are saved
-        sharded = run._engine.sharded
+        sharded = self.sharded
         if not self.write and not sharded:
             return None
         improves = metric is not None and self.write and self.improves(metric)
@@ -163,9 +134,9 @@ class Checkpoints:
             self.best_metric = metric  # recorded in the state, so a resumed run compares with it
             if run.swaps_eval_weights:
                 with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
-                    best = self.state(run)
+                    best = self.state_of()
                     best["model"] = {k: v.detach().clone() for k, v in best["model"].items()}
-        state = self.state(run)
+        state = self.state_of()
         if not self.write:
             return None
         path = self.folder / f"step-{run.step:07d}.pt"
@@ -178,7 +149,8 @@ class Checkpoints:
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
         run.last_checkpoint = path
-        run._engine.callbacks.on_checkpoint(run, path)
+        if self.saved is not None:
+            self.saved(path)
         return path
 
 

@@ -81,24 +81,31 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, shift: int) -> torch
     return torch.logsumexp(logp, 0) - math.log(len(views))
 
 
-def evaluate_split(run, split: Split, keep_errors: int = 0) -> dict:
-    """``evaluate`` with the run's model (its evaluation weights: EMA's average when on), data and ranks."""
-    c = run.config
-    with run.eval_weights():
-        e = run._engine
-        return evaluate(run.forward, split, e.prep, run.device, run.precision, c.data.eval_batch_size,
-                        run.data.num_classes, e.data_world, run.rank, e.group, keep_errors,
-                        c.data.num_workers, e.eval_loss_sum, lockstep=e.sharded, tta=c.data.tta, shift=c.data.shift,
-                        limit=c.data.eval_limit)
+class SplitEvaluator:
+    """``evaluate`` with a run's model (its evaluation weights: EMA's average when on), data and ranks:
+    ``evaluator(run, split, keep_errors)``."""
+
+    def __init__(self, prep, loss_sum, readers: int, group, lockstep: bool):
+        self.prep, self.loss_sum, self.readers, self.group, self.lockstep = prep, loss_sum, readers, group, lockstep
+
+    def __call__(self, run, split: Split, keep_errors: int = 0) -> dict:
+        c = run.config
+        with run.eval_weights():
+            return evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
+                            run.data.num_classes, self.readers, run.rank, self.group, keep_errors,
+                            c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
+                            shift=c.data.shift, limit=c.data.eval_limit)
 
 
 def _fmt(r: dict, *keys) -> str:
     return " ".join(f"{k} {r[k]:.4f}" for k in keys if r.get(k) is not None)
 
 
-def finish(run, metrics, tb, wall_start: float) -> dict:
-    """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary."""
-    cfg, data, e = run.config, run.data, run._engine
+def finish(run, metrics, tb, wall_start: float, evaluate_split: SplitEvaluator, facts: dict, callbacks) -> dict:
+    """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary. ``facts``: what
+    the trainer adds about how it trained (trainers, channels_last, compiled, model, strategy, memory at start);
+    ``callbacks``: the run's ``CallbackList``, whose ``summary`` is added last."""
+    cfg, data = run.config, run.data
     summary = {"epochs": round(run.step / run.steps_per_epoch, 4), "steps": run.step, "val_accuracy": None,
                "val_loss": None, "test_accuracy": None, "test_loss": None, "stopped": run.stopped,
                "not_learning": None}
@@ -126,14 +133,13 @@ def finish(run, metrics, tb, wall_start: float) -> dict:
     summary.update(
         train_seconds=round(run.meter.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(run.meter.images / max(run.meter.train_seconds, 1e-9), 1), device=str(run.device),
-        world_size=run.world_size, mode=cfg.dist.mode, trainers=e.data_world, precision=run.precision,
-        channels_last=e.channels_last, compiled=e.compiled, model=e.meta.get("name"), data=data.name,
-        strategy="fsdp" if e.sharded else "none" if run.world_size == 1 else "ps" if cfg.dist.mode == "ps" else "ddp",
-        held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
-        host_rss_at_start_mb=round(e.rss_at_start_mb, 1),
+        world_size=run.world_size, mode=cfg.dist.mode, trainers=facts["trainers"], precision=run.precision,
+        channels_last=facts["channels_last"], compiled=facts["compiled"], model=facts["model"], data=data.name,
+        strategy=facts["strategy"], held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
+        host_rss_at_start_mb=round(facts["rss_at_start_mb"], 1),
         epoch_seconds=run.meter.epoch_seconds, run_dir=str(run.run_dir),
     )
-    summary.update(e.callbacks.summary(run))  # what callbacks add (NotLearning's warning, stage 2's totals)
+    summary.update(callbacks.summary(run))  # what callbacks add (NotLearning's warning, stage 2's totals)
     tb.close()
     if run.is_main:
         write_json(run.run_dir / "summary.json", summary)

@@ -7,6 +7,9 @@ The contract of a step (``fit(..., train_step=...)``)::
         outputs = run.forward(inputs)    # the model as trained (DDP-wrapped, compiled)
         return run.compute_loss(outputs, targets), outputs   # the mean loss; outputs are optional
 
+``run`` there is the step's ``StepContext``: the run's fields read through (``run.step``, ``run.config``,
+``run.model``, ...) and what the step needs of its trainer: ``forward``, ``compute_loss`` and ``backward``.
+
 The step runs under autocast for ``train.precision``. brickyard then calls the backward pass (unless
 the step called ``run.backward(loss)`` itself), weighing the mean so that the gradient is the exact
 mean over the global batch and the accumulation micro-batches, also for a short last batch and for
@@ -36,7 +39,7 @@ from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import class_targets, cross_entropy_targets, is_classification
 from brickyard.optim import l1_penalty, set_lr
 from brickyard.training import device as dev
-from brickyard.training.run import StepResult
+from brickyard.training.run import Run, StepResult
 
 
 def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights: torch.Tensor | None = None):
@@ -80,6 +83,18 @@ def make_loss_sum(loss_fn, label_smoothing: float = 0.0, class_weights: torch.Te
             raise BrickyardError(f"loss_fn {name} must return the mean loss as a 0-dim tensor; it returned {shape}.")
         return loss.float() * len(y)
     return loss_sum
+
+
+class Losses:
+    """The run's two loss sums: ``train`` (label smoothing and class weights) and ``eval`` (neither, so
+    validation and test read as `brickyard eval` reads a checkpoint; as timm does: train.py at 004fb5f,
+    main(), the "setup loss function" block: LabelSmoothingCrossEntropy to train when --smoothing,
+    validate_loss_fn = nn.CrossEntropyLoss())."""
+
+    def __init__(self, loss_fn, optim, device: torch.device):
+        weights = torch.tensor(optim.class_weights, dtype=torch.float32, device=device) if optim.class_weights else None
+        self.train = make_loss_sum(loss_fn, optim.label_smoothing, weights)
+        self.eval = make_loss_sum(loss_fn)
 
 
 def check_class_weights(weights, num_classes: int, own_loss: str | None) -> None:
@@ -126,69 +141,97 @@ class Totals:
         return dist.all_reduce_sum(both, self.group).tolist()
 
 
+class StepContext:
+    """What a ``train_step`` gets as ``run``, made for one micro-batch: the run's fields, read through, and
+    ``forward``, ``compute_loss`` and ``backward``. ``batch_weight`` turns the batch's mean loss into its share
+    of the gradient (local batch / global batch x ranks / accumulation)."""
+
+    def __init__(self, run: Run, loss_sum, scaler, batch_weight: float):
+        self.run, self.batch_weight, self.backward_done = run, batch_weight, False
+        self._loss_sum, self._scaler = loss_sum, scaler
+
+    def __getattr__(self, name):  # the run's fields and methods: step, config, model, device, log, ...
+        return getattr(self.run, name)
+
+    @property
+    def forward(self) -> nn.Module:
+        return self.run.forward
+
+    def compute_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The run's loss (``loss_fn``, else cross-entropy with ``optim.label_smoothing``): the mean over the batch."""
+        return self._loss_sum(outputs, targets) / len(targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the loss scaler, for a step that calls it itself (several losses, several
+        backward passes). ``loss`` is the mean over this process's batch; brickyard weighs it so that the
+        gradient is the exact mean over the global batch and the accumulation steps. A step that does
+        not call it returns its loss and brickyard calls it."""
+        self.backward_done = True
+        self._scaler.scale(loss * self.batch_weight).backward()
+
+
 def default_step(run, batch):
     """brickyard's own step: the forward pass and the run's loss (written to the contract above)."""
     x, y = batch
     out = run.forward(x)
-    return run._engine.loss_sum(out, y) / len(y), out
+    return run.compute_loss(out, y), out
 
 
-def optimizer_step(run, batches, totals: Totals) -> StepResult:
+def optimizer_step(trainer, batches) -> StepResult:
     """Micro-batches through the step, then sync, guard, learning rate, hooks, clipping and the update;
     returns what the step measured: its mean loss (of the last micro-batch, a 0-dim tensor on the device),
-    that batch, the samples trained on and the time spent waiting for data. The loss sums go to ``totals``."""
-    e, t = run._engine, run.config.train
-    data_wait, images = 0.0, 0
+    that batch, the samples trained on and the time spent waiting for data. The loss sums go to the
+    meter's totals. ``trainer``: the ``training.trainer.Trainer`` whose parts the step uses."""
+    run, t = trainer.run, trainer.config.train
+    data_wait, images, readers = 0.0, 0, trainer.way.readers
     for micro in range(t.grad_accum):
         wait = time.perf_counter()
         x, y, n_global, offset = next(batches)
         data_wait += time.perf_counter() - wait
         draw = run.step * t.grad_accum + micro
-        x, y = e.prep.train(x, y, draw, n_global, offset)
+        x, y = trainer.prep.train(x, y, draw, n_global, offset)
         batch = (x, y, n_global)
-        e.batch_weight = len(y) * e.data_world / (n_global * t.grad_accum)
+        ctx = StepContext(run, trainer.losses.train, trainer.scaler, len(y) * readers / (n_global * t.grad_accum))
         last = micro == t.grad_accum - 1
-        with contextlib.nullcontext() if last else e.grad_sync.skip(), \
+        with contextlib.nullcontext() if last else trainer.grad_sync.skip(), \
                 droppath.batch(draw_seed(t.seed, draw, DROP_PATH), n_global, offset):
-            loss, out = _call_step(run, x, y)
+            loss, out = _call_step(ctx, trainer.step_fn, x, y)
             loss_sum = loss.detach().float() * len(y)
-            if e.check_each_step and not torch.isfinite(loss_sum):
-                raise_nonfinite(run, x, y)
-            if not e.backward_done:
+            if trainer.check_each_step and not torch.isfinite(loss_sum):
+                trainer.guard.raise_for(run, x, y)
+            if not ctx.backward_done:
                 # the mean times (local / global batch) times the world size, because DDP averages over ranks:
                 # the gradient is the exact mean over all samples, also for a short last batch
-                weighted = loss.float() * e.batch_weight
+                weighted = loss.float() * ctx.batch_weight
                 if run.config.optim.l1:
                     weighted = weighted + run.config.optim.l1 / t.grad_accum * l1_penalty(run.optimizer.param_groups)
-                e.scaler.scale(weighted).backward()
-        totals.add(loss_sum, out, y)
-        images += len(y) * e.data_world
-    e.grad_sync()
-    e.callbacks.on_before_update(run)
+                trainer.scaler.scale(weighted).backward()
+        trainer.meter.totals.add(loss_sum, out, y)
+        images += len(y) * readers
+    trainer.grad_sync()
+    trainer.callbacks.on_before_update(run)
     if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
         run.lr = run.optimizer.param_groups[0]["lr"]
     else:
-        run.lr = e.schedule(run.step) * run.lr_scale
+        run.lr = trainer.plan.schedule(run.step) * run.lr_scale
         set_lr(run.optimizer, run.lr)
     if t.grad_clip:
-        e.scaler.unscale_(run.optimizer)
+        trainer.scaler.unscale_(run.optimizer)
         nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], t.grad_clip)
-    e.update(run, loss_sum, batch)
-    e.grad_sync.zero_grad(run.optimizer)
+    trainer.update(run, loss_sum, batch)
+    trainer.grad_sync.zero_grad(run.optimizer)
     return StepResult(loss_sum / len(y), (x, y), images, data_wait)
 
 
-def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _call_step(ctx: StepContext, fn, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs, as a pair or a mapping
     of ``loss`` and ``outputs``. Lightning reads a ``training_step`` that returns a Mapping by its ``loss`` key and
     refuses one without it; the other keys go to its callbacks only (``ClosureResult.from_training_step_output`` in
     src/lightning/pytorch/loops/optimization/automatic.py); here they are ignored."""
-    e = run._engine
-    e.backward_done = False
-    fn = e.step_fn
+    run = ctx.run
     with dev.autocast(run.device, run.precision):
         try:
-            result = fn(run, (x, y))
+            result = fn(ctx, (x, y))
         except (BrickyardError, torch.OutOfMemoryError):
             raise
         except Exception as err:  # noqa: BLE001  the user's code: its own traceback stays, the CLI says one line
@@ -203,7 +246,7 @@ def _call_step(run, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
         keys = f" with keys {', '.join(map(repr, list(result)[:4]))} and no 'loss'" if isinstance(result, Mapping) else ""
         raise BrickyardError(f"train_step {_name(fn)} must return the mean loss as a 0-dim tensor (or (loss, outputs), or "
                              f"{{'loss': loss, 'outputs': outputs}}); it returned {got}{keys}.")
-    if not e.backward_done and not loss.requires_grad:
+    if not ctx.backward_done and not loss.requires_grad:
         raise BrickyardError(f"train_step {_name(fn)} returned a loss without a gradient; return the loss of "
                              f"run.forward's outputs (or call run.backward(loss) yourself).")
     return loss, out
@@ -213,17 +256,22 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def raise_nonfinite(run, x, y):
-    # the search runs the model on this rank alone: under FSDP a forward pass needs every rank
-    where = "not searched under dist.strategy: fsdp" if run._engine.sharded else first_nonfinite(run.model, x, y, run._engine.loss_sum)
-    kept = (f"the newest checkpoint ({run.last_checkpoint}) holds the last good weights" if run.last_checkpoint
-            else "no checkpoint was written yet")
-    raise BrickyardError(f"training loss became non-finite at step {run.step}; first non-finite: {where}; "
-                         f"{kept} (lower optim.lr or set train.grad_clip).")
+class NanGuard:
+    """Stops on a non-finite loss, naming the first layer that made it (``observe.inspection``)."""
 
+    def __init__(self, on: bool, sharded: bool, loss_sum):
+        self.on, self.sharded, self.loss_sum = on, sharded, loss_sum
 
-def guard(run) -> None:
-    """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
-    m = run.meter
-    if run.config.train.nan_guard and m is not None and m.last_batch and not torch.isfinite(m.totals.loss).item():
-        raise_nonfinite(run, *m.last_batch)
+    def raise_for(self, run, x, y):
+        # the search runs the model on this rank alone: under FSDP a forward pass needs every rank
+        where = "not searched under dist.strategy: fsdp" if self.sharded else first_nonfinite(run.model, x, y, self.loss_sum)
+        kept = (f"the newest checkpoint ({run.last_checkpoint}) holds the last good weights" if run.last_checkpoint
+                else "no checkpoint was written yet")
+        raise BrickyardError(f"training loss became non-finite at step {run.step}; first non-finite: {where}; "
+                             f"{kept} (lower optim.lr or set train.grad_clip).")
+
+    def __call__(self, run) -> None:
+        """Stop on a non-finite loss before anything is saved (a host sync; log and save steps only)."""
+        m = run.meter
+        if self.on and m is not None and m.last_batch and not torch.isfinite(m.totals.loss).item():
+            self.raise_for(run, *m.last_batch)

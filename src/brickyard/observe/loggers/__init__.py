@@ -1,0 +1,167 @@
+"""Loggers: the one door metrics leave a run by.
+
+Every metric brickyard reports is one **row**, a dict with ``kind`` (``start``, ``train``, ``val``, ``test``,
+``epoch``, ``watch``, ``dim_reduce``, ``summary``), ``step``, ``time`` and the values; ``metrics.jsonl`` holds
+each row as one line. ``Loggers`` (``fanout``) hands every row to every logger of the run, at the same moments:
+the run's start, every ``train.log_every`` steps, each validation's end, each test, the end of training and the
+summary. Built in, by the name ``train.loggers`` takes: ``jsonl`` (``metrics.jsonl``, always on), ``csv``
+(``metrics.csv``), ``tensorboard``, ``mlflow``, ``wandb``. Console progress stays the ``ProgressLog`` callback:
+its lines say more than a row does (the time waiting for data, the train/validation gap).
+
+A user's logger is a ``Logger`` subclass, added either way:
+- an instance passed to ``brickyard.fit(..., loggers=[MyLogger()])``;
+- a class in the user's own installed package, under the entry-point group ``brickyard.loggers``
+  (``[project.entry-points."brickyard.loggers"] mine = "mypkg.logs:MyLogger"``), then ``--set
+  train.loggers=[mine]`` from the CLI, with no change to brickyard. ``names()`` lists the built-ins and these.
+
+Loggers run on rank 0 only, as Lightning's do (``rank_zero_only``).
+
+The interface follows Lightning's ``Logger`` ABC (``src/lightning/fabric/loggers/logger.py`` at 0a6ba10, lines
+28-100: ``log_hyperparams`` 69-78, ``log_metrics`` 58-67, ``finalize`` 93-100) and Keras's single ``logs`` dict
+that its loop hands every callback, TensorBoard and CSV alike (``keras/src/callbacks/callback.py`` at 045cebd,
+lines 42-66). Where it differs: one ``log(row)`` takes the whole row, kind included, instead of a flat
+name-to-number dict per call, so ``metrics.jsonl`` is itself a logger and every logger sees exactly what it
+writes; hyperparameters come with ``start``, once, beside the run directory and the step a resume picks up from;
+and a logger that talks to a server declares a time bound (``timeout_s``) that the fan-out holds it to, on a
+thread of its own, where Lightning's loggers run inline and a stalled server stalls training.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brickyard.errors import ConfigError, reason
+
+__all__ = ["Logger", "RunInfo", "names", "check", "create", "GROUP"]
+
+GROUP = "brickyard.loggers"  # the entry-point group a user's package registers its loggers under
+
+# the built-ins: name -> (module, class, the package it needs or None); imported when a run asks for one, so
+# that listing them (the config's check) imports neither torch nor a tracker's client
+_BUILTIN = {
+    "jsonl": ("brickyard.observe.loggers.files", "JSONL", None),
+    "tensorboard": ("brickyard.observe.tensorboard", "TensorBoard", None),  # missing package: a warning, no files
+    "csv": ("brickyard.observe.loggers.files", "CSV", None),
+    "mlflow": ("brickyard.observe.loggers.trackers", "MLflow", "mlflow"),
+    "wandb": ("brickyard.observe.loggers.trackers", "Wandb", "wandb"),
+}
+ALWAYS = ("jsonl",)  # on in every run: metrics.jsonl marks a directory as a run's, and a resume reads it back
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a logger is started with, once, before the run's first row."""
+    run_dir: Path                 # the run directory (its files: config.yaml, metrics.jsonl, checkpoints/, ...)
+    config: dict                  # the resolved config as plain nested values (``Config.to_dict()``)
+    step: int = 0                 # the step training starts from: 0, or where a resume picks up (rows past it are gone)
+    world_size: int = 1
+    warn: Callable[[str], None] = field(default=print, repr=False)  # the run's log: one line, at warning level
+
+    @property
+    def hyperparameters(self) -> dict:
+        """The config flattened to dotted keys (``optim.lr``); lists as JSON text, as trackers take them."""
+        return flatten(self.config)
+
+
+class Logger(ABC):
+    """Where a run's rows go. Subclass it and implement ``log``; ``start`` and ``finish`` are optional.
+
+    Contract:
+    - ``start(run)`` once, before any row; an exception there ends the run in one sentence before anything is
+      written to the run directory (a wrong address or id is a setting to fix, not a metric to lose).
+    - ``log(row)`` for every row, in order, at the moments the module docstring lists. The row is shared: read it,
+      do not change it. Rows from a resumed run continue at ``run.step + 1``.
+    - ``log_histograms(step, tensors)``: weight and gradient histograms (``train.histograms_every``), CPU tensors
+      named ``weights/NAME`` and ``grads/NAME``; built only when some logger overrides it.
+    - ``finish(ok)`` once at the end: ``ok`` False after a failure or a stop by a signal.
+    - ``essential``: an exception out of ``log`` ends the run (brickyard's own files: a full disk must not go
+      unsaid). Otherwise the logger is dropped with one warning and training goes on.
+    - ``timeout_s``: None runs the logger inline, in the training thread. A number runs it on a thread of its own:
+      ``log`` never waits for it, a call that takes longer than that many seconds drops it with one warning, and
+      at the end ``finish`` gets that long (2 s after a failure or a signal, so a stop is never held up).
+      ``BRICKYARD_LOGGER_TIMEOUT_S`` overrides it for every such logger.
+    """
+
+    name: str = ""                  # the name it was chosen by (``train.loggers``); else its class's name
+    essential: bool = False
+    timeout_s: float | None = None
+
+    def start(self, run: RunInfo) -> None:
+        """Called once before the first row."""
+
+    @abstractmethod
+    def log(self, row: dict) -> None:
+        """One row: ``{"kind": ..., "step": ..., "time": ..., values}``."""
+
+    def log_histograms(self, step: int, tensors: dict) -> None:
+        """Weight and gradient histograms at ``step`` (``train.histograms_every``); most loggers ignore them."""
+
+    def finish(self, ok: bool) -> None:
+        """Called once at the end; ``ok`` False after a failure or a stop by a signal."""
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``; lists and tuples as JSON text."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def _entry_points() -> dict:
+    """The ``brickyard.loggers`` entry points of the installed packages, by name (the first of a name wins)."""
+    found: dict = {}
+    for ep in importlib.metadata.entry_points(group=GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def names() -> list[str]:
+    """Every name ``train.loggers`` takes: the built-ins, then the installed packages' entry points (a built-in's
+    name is the built-in's)."""
+    return list(_BUILTIN) + sorted(set(_entry_points()) - set(_BUILTIN))
+
+
+def check(chosen: Iterable[str]) -> None:
+    """One sentence for a name no built-in or installed package has, or a built-in whose package is missing;
+    imports nothing of the loggers themselves. ``jsonl`` is always on and may be named or not."""
+    chosen = list(chosen)
+    known = set(names())
+    for name in chosen:
+        if name not in known:
+            listed = ", ".join(n for n in names() if n not in ALWAYS)
+            raise ConfigError(f"train.loggers: {name!r} is not one of {listed}.")
+    for name in chosen:
+        needs = _BUILTIN.get(name, (None, None, None))[2]
+        if needs and importlib.util.find_spec(needs) is None:
+            raise ConfigError(f"train.loggers: {name} needs the {needs} package: pip install 'brickyard[{name}]'.")
+
+
+def create(name: str) -> Logger:
+    """A new logger of that name: a built-in, else the entry point's class (called with no arguments)."""
+    if name in _BUILTIN:
+        module, cls, _ = _BUILTIN[name]
+        made = getattr(importlib.import_module(module), cls)()
+    else:
+        ep = _entry_points().get(name)
+        if ep is None:
+            check([name])  # the sentence for an unknown name
+        try:
+            made = ep.load()()
+        except Exception as e:  # noqa: BLE001  the user's package: its own reason, in one sentence
+            raise ConfigError(f"train.loggers: {name} (entry point {ep.value} of group {GROUP}) could not be "
+                              f"made: {reason(e, 240, joined=True)}") from None
+        if not callable(getattr(made, "log", None)):
+            raise ConfigError(f"train.loggers: {name} (entry point {ep.value}) made a {type(made).__name__}, which "
+                              f"has no log(row) method; subclass brickyard.observe.loggers.Logger.")
+    made.name = name
+    return made

@@ -1,0 +1,125 @@
+"""Everything a run decides before any part is built, decided once: the checks that need the data or the
+model (before anything is written), the device's settings (``training.device.Host``), the batch size, the
+batch plan, the step counts and the learning-rate schedule (``Plan``), and the precision. The results are
+a frozen config and a frozen host; nothing built later decides them again or writes them back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from brickyard.callbacks import reduce_lr
+from brickyard.callbacks.checkpointing import check_monitor
+from brickyard.callbacks.trackers import check_installed, check_reachable
+from brickyard.config import Config
+from brickyard.config.schema import loggers
+from brickyard.data import balance
+from brickyard.data.loaders import BatchPlan, check_readers, step_batch
+from brickyard.distributed import process as dist
+from brickyard.errors import BrickyardError, ConfigError
+from brickyard.optim import Schedule
+from brickyard.training import activation_checkpointing, memory
+from brickyard.training.rundir import default_path
+from brickyard.training.step import check_class_weights
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What a run will do, resolved once from the config, the data and the job before any part is built:
+    the batch plan, the step counts and the learning-rate schedule."""
+    batches: BatchPlan                # which samples each rank reads at each step (any world size, any resume)
+    steps_per_epoch: int
+    total_steps: int
+    peak_lr: float
+    schedule: Schedule                # step -> learning rate
+
+
+def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, resume) -> None:
+    """What the config, the data, the model and the user's parts cannot do together: one sentence each,
+    before anything is written (``user``: the run's ``UserParts``)."""
+    check_readers(cfg, info.world_size, len(data.train))
+    balance(data, cfg.data.balance)
+    check_class_weights(cfg.optim.class_weights, data.num_classes,
+                        "loss_fn" if user.loss_fn is not None else "train_step" if user.train_step is not None else None)
+    reduce_lr.check(cfg, user.callbacks, data)
+    check_monitor(cfg, data)
+    check_installed(loggers(cfg.train))
+    if info.rank == 0:
+        check_reachable(loggers(cfg.train))  # a tracking server that takes no connection
+    activation_checkpointing.choose(model, cfg.train.activation_checkpointing)
+    way.check(model, resume)
+    _check_image_features(cfg, data)
+
+
+def _check_image_features(cfg, data) -> None:
+    if data.is_images:
+        return
+    shape = "x".join(str(s) for s in data.sample_shape) or "a scalar"
+    d = cfg.data
+    for key, on in (("augment", d.augment != "none"), ("rand_augment", bool(d.rand_augment)),
+                    ("random_erasing", d.random_erasing > 0), ("cutmix", d.cutmix > 0), ("tta", d.tta != "none")):
+        if on:
+            raise BrickyardError(f"data.{key}: {getattr(d, key)!r} works on images (N x C x H x W); these inputs are N x {shape}.")
+
+
+def check_placement(cfg: Config, model: nn.Module, device: torch.device, distributed: bool) -> None:
+    """``dist.*`` settings this device cannot honour, as config errors before the process group forms
+    (torch would fail later, inside ``init_process_group`` or DDP's wrap, with a message about itself)."""
+    if not distributed:
+        return
+    if cfg.dist.backend == "nccl" and (device.type != "cuda" or not torch.distributed.is_nccl_available()):
+        where = f"this run's device is {device.type}" if device.type != "cuda" else "this torch was built without it"
+        raise ConfigError(f"dist.backend: nccl runs on CUDA GPUs only and {where}; use gloo or auto.")
+    if cfg.dist.sync_bn and device.type != "cuda" and any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ConfigError(f"dist.sync_bn: torch's SyncBatchNorm runs on GPUs only and this run's device is {device.type}; "
+                          f"turn it off (each process then normalises over its own share of the batch).")
+
+
+def plan(cfg: Config, data, info, readers: int) -> Plan:
+    """The batch plan, steps and schedule for ``readers`` processes reading data."""
+    t = cfg.train
+    g = step_batch(cfg.data, t.grad_accum, readers)
+    batches = BatchPlan(len(data.train), max(1, g // readers), readers, min(info.rank, readers - 1), t.seed,
+                        global_batch=g, draw=data.train.draw, drop_last=cfg.data.drop_last)
+    per_epoch = batches.steps_per_epoch // t.grad_accum
+    if per_epoch == 0:
+        raise BrickyardError(f"train.grad_accum: {t.grad_accum} is more than the {batches.steps_per_epoch} batches in an epoch.")
+    planned = math.ceil(t.epochs * per_epoch) if t.epochs else t.max_steps  # what the schedule spans
+    total = planned  # where the run stops: max_steps and stop_epoch end it early, never reshape the schedule
+    if t.max_steps:
+        total = min(total, t.max_steps)
+    if t.stop_epoch:
+        total = min(total, math.ceil(t.stop_epoch * per_epoch))
+    peak, schedule = _schedule(cfg, readers, planned, per_epoch)
+    return Plan(batches, per_epoch, total, peak, schedule)
+
+
+def _schedule(cfg, readers: int, total: int, per_epoch: int):
+    peak, sched_cfg = cfg.schedule.lr_max or cfg.optim.lr, cfg.schedule
+    if cfg.dist.scale_lr == "linear" and readers > 1:
+        peak *= readers
+        if sched_cfg.name != "onecycle" and sched_cfg.warmup_epochs < cfg.dist.scale_warmup_epochs:
+            sched_cfg = dataclasses.replace(sched_cfg, warmup_epochs=cfg.dist.scale_warmup_epochs)
+    return peak, Schedule(sched_cfg, peak, total, per_epoch)
+
+
+def auto_batch(cfg, model, data, device, info, log) -> int:
+    """``data.batch_size: auto``: probe this device, then take the smallest choice over all ranks."""
+    batch, how = memory.auto_batch(cfg, model, data, device, info.world_size, len(data.train))
+    agreed = torch.tensor([batch], dtype=torch.float64, device=device)
+    if info.distributed:
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+    batch = int(agreed.item())
+    log.info(f"data.batch_size: auto chose {batch} per device ({how}, agreed by all {info.world_size} rank(s))")
+    return batch
+
+
+def run_dir_of(run_dir, preset: str) -> Path:
+    """``run_dir`` as given, else ``runs/PRESET-TIME`` as rank 0 names it (a collective)."""
+    return Path(run_dir) if run_dir else Path(dist.broadcast_object(str(default_path(preset))))

@@ -1,0 +1,62 @@
+"""The interface every way of training implements (``training.ways``). The trainer calls these in the
+order below, once each, except ``update`` and ``grad_sync`` which it builds once and calls every step."""
+from __future__ import annotations
+
+from torch import nn
+
+from brickyard.distributed.gradsync import GradSync
+from brickyard.optim import OptimizerUpdate
+from brickyard.optim.updates import Update
+
+
+class Way:
+    """A way of training; the defaults are one process training the whole model with its optimiser."""
+
+    name = "none"
+    sharded = False        # saving and evaluating are collectives every rank takes part in (FSDP)
+    keeps_layout = True    # the model may be put in channels_last (FSDP shards contiguous parameters only)
+    stops_early = True     # a callback may end the run before its last step
+
+    def __init__(self, cfg, info):
+        self.cfg, self.info = cfg, info
+
+    def check(self, model, resume: str | None) -> None:
+        """What this way refuses of the run, in one sentence, before anything is written."""
+
+    @property
+    def readers(self) -> int:
+        """Processes that read data and train (all but a parameter server's servers)."""
+        return self.info.world_size
+
+    def serves(self, rank: int) -> bool:
+        """Whether ``rank`` serves the others instead of training (a parameter server)."""
+        return False
+
+    def serve(self, params, plan, messages, log) -> None:
+        """A serving rank's whole part in the job (``messages``: the second group of ``groups``)."""
+        raise NotImplementedError
+
+    def shard(self, model: nn.Module, host, log) -> None:
+        """After the model is on its device: split it across the ranks where this way does (FSDP)."""
+
+    def groups(self):
+        """(the readers' process group, a group of this way's own messages): made in the same order on
+        every rank (``new_group`` is collective); None for all ranks / none."""
+        return None, None
+
+    def update(self, run, param_groups, loss_sum, scaler, group, messages) -> Update:
+        """What a step's gradients do to the weights (``group``: the readers' process group, ``messages``: this
+        way's own, from ``groups``)."""
+        return OptimizerUpdate(scaler)
+
+    def grad_sync(self, model: nn.Module, device, group, own_cores: bool) -> tuple[nn.Module, GradSync]:
+        """(the model to call, how the ranks' gradients meet)."""
+        return model, GradSync()
+
+    def callbacks(self, run, update, writer) -> list:
+        """brickyard's behaviours this way adds (after the trainer's own)."""
+        return []
+
+    def summary_name(self, world: int) -> str:
+        """The summary's ``strategy``."""
+        return "none" if world == 1 else self.name
