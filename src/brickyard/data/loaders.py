@@ -16,14 +16,11 @@ the batches it would have seen.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from brickyard.data.bundle import Draw, Split
-from brickyard.data.items import INPUT_KEYS, LABEL_KEYS
-from brickyard.errors import BrickyardError, ConfigError, DataError, reason
+from brickyard.errors import BrickyardError, ConfigError, DataError
 
 
 class BatchPlan:
@@ -163,51 +160,6 @@ def _batching(split: Split) -> dict:
     """The DataLoader arguments a split's loaders share, training and evaluation alike: its collate (the user's
     loader's own, else brickyard's) and its loader's ``worker_init_fn``."""
     return dict(collate_fn=split.collate or collate, worker_init_fn=split.worker_init)
-
-
-class UserCollate:
-    """A DataLoader's own ``collate_fn`` (``fn``), for the split ``name``: the batch it makes from a list of the
-    dataset's items, read as ``(inputs, labels)``. It may return a pair (as ``default_collate`` does) or a dict
-    with an input key and a label key (``items.INPUT_KEYS``, ``items.LABEL_KEYS``: a Hugging Face data collator's
-    ``pixel_values`` and ``labels``); NumPy arrays and lists of numbers are read as tensors. brickyard shares each
-    global batch among the processes by sample and scales the loss by its count, so the batch must keep one input
-    and one label for each item it was given; anything else is one sentence. An exception raised in ``fn`` is
-    the user's, as one raised in a Dataset's ``__getitem__`` is: it reaches the caller with its traceback."""
-
-    def __init__(self, fn, name: str):
-        self.fn = fn
-        self.label = f"{name}: the DataLoader's collate_fn ({getattr(fn, '__name__', type(fn).__name__)})"
-
-    def __call__(self, batch):
-        out = self.fn(batch)
-        if isinstance(out, Mapping):
-            x = next((out[k] for k in INPUT_KEYS if k in out), None)
-            y = next((out[k] for k in LABEL_KEYS if k in out), None)
-            if x is None or y is None:
-                raise DataError(f"{self.label} returned a dict of {', '.join(map(str, list(out)[:5]))}; brickyard reads "
-                                f"the inputs from one of {', '.join(INPUT_KEYS[:4])}, ... and the labels from one of "
-                                f"{', '.join(LABEL_KEYS[:4])}, ...")
-        elif isinstance(out, (tuple, list)) and len(out) == 2:
-            x, y = out
-        else:
-            what = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
-            raise DataError(f"{self.label} returned {what}; brickyard trains on (inputs, labels): return that pair of "
-                            f"tensors, or a dict with 'pixel_values' and 'labels'.")
-        x, y = self._tensor(x, "inputs"), self._tensor(y, "labels")
-        if x.dim() == 0 or y.dim() == 0 or len(x) != len(batch) or len(y) != len(batch):
-            shapes = f"inputs {tuple(x.shape)} and labels {tuple(y.shape)}"
-            raise DataError(f"{self.label} returned {shapes} for {len(batch)} items; brickyard shares each batch among "
-                            f"the processes by sample, so return one input and one label for each item.")
-        return x, y
-
-    def _tensor(self, value, what: str) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            return value
-        try:
-            return torch.as_tensor(value if not hasattr(value, "__array__") else np.asarray(value))
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise DataError(f"{self.label} returned {what} of {type(value).__name__} that cannot be read as a tensor "
-                            f"({reason(e)}).") from None
 
 
 def _clean_errors(iterable):
