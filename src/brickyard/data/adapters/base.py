@@ -73,7 +73,7 @@ def as_label(y):
         return y if y.is_floating_point() or y.dtype == torch.int64 else y.long()
     if isinstance(y, np.ndarray):
         return y if y.dtype.kind not in "iub" or y.dtype == np.int64 else torch.from_numpy(y.astype(np.int64))
-    if isinstance(y, (np.integer, np.bool_, bool)):
+    if isinstance(y, (np.integer, bool)):
         return int(y)
     return y
 
