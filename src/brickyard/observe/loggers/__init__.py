@@ -38,7 +38,7 @@ from pathlib import Path
 
 from brickyard.errors import ConfigError, reason
 
-__all__ = ["Logger", "RunInfo", "names", "check", "create", "GROUP"]
+__all__ = ["Logger", "RunInfo", "names", "choices", "check", "create", "GROUP"]
 
 GROUP = "brickyard.loggers"  # the entry-point group a user's package registers its loggers under
 
@@ -83,14 +83,16 @@ class Logger(ABC):
     - ``essential``: an exception out of ``log`` ends the run (brickyard's own files: a full disk must not go
       unsaid). Otherwise the logger is dropped with one warning and training goes on.
     - ``timeout_s``: None runs the logger inline, in the training thread. A number runs it on a thread of its own:
-      ``log`` never waits for it, a call that takes longer than that many seconds drops it with one warning, and
-      at the end ``finish`` gets that long (2 s after a failure or a signal, so a stop is never held up).
-      ``BRICKYARD_LOGGER_TIMEOUT_S`` overrides it for every such logger.
+      ``log`` never waits for it, and a call that takes longer than that many seconds drops it with one warning.
+      ``start`` and a finished run's ``finish`` (uploads) get ``start_timeout_s`` (default: the same); ``finish``
+      after a failure or a signal gets 2 s, so a stop is never held up. ``BRICKYARD_LOGGER_TIMEOUT_S`` overrides
+      both for every such logger.
     """
 
     name: str = ""                  # the name it was chosen by (``train.loggers``); else its class's name
     essential: bool = False
     timeout_s: float | None = None
+    start_timeout_s: float | None = None
 
     def start(self, run: RunInfo) -> None:
         """Called once before the first row."""
@@ -131,6 +133,11 @@ def names() -> list[str]:
     return list(_BUILTIN) + sorted(set(_entry_points()) - set(_BUILTIN))
 
 
+def choices() -> list[str]:
+    """The names an unknown name's sentence lists: ``names()`` but those always on."""
+    return [n for n in names() if n not in ALWAYS]
+
+
 def check(chosen: Iterable[str]) -> None:
     """One sentence for a name no built-in or installed package has, or a built-in whose package is missing;
     imports nothing of the loggers themselves. ``jsonl`` is always on and may be named or not."""
@@ -138,8 +145,7 @@ def check(chosen: Iterable[str]) -> None:
     known = set(names())
     for name in chosen:
         if name not in known:
-            listed = ", ".join(n for n in names() if n not in ALWAYS)
-            raise ConfigError(f"train.loggers: {name!r} is not one of {listed}.")
+            raise ConfigError(f"train.loggers: {name!r} is not one of {', '.join(choices())}.")
     for name in chosen:
         needs = _BUILTIN.get(name, (None, None, None))[2]
         if needs and importlib.util.find_spec(needs) is None:

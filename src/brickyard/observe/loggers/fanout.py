@@ -14,30 +14,32 @@ import time
 from collections.abc import Callable, Iterable
 
 from brickyard.errors import BrickyardError, reason
-from brickyard.observe.loggers import Logger, RunInfo
+from brickyard.observe.loggers import ALWAYS, Logger, RunInfo, create
 
 STOP_WAIT_S = 2.0  # what finish() gives a threaded logger after a failure or a signal: a stop is never held up
 TIMEOUT_ENV = "BRICKYARD_LOGGER_TIMEOUT_S"
 
 
-def _bound(logger: Logger) -> float | None:
-    """The logger's time bound: ``$BRICKYARD_LOGGER_TIMEOUT_S`` where it has one, else its ``timeout_s``."""
+def _bounds(logger: Logger) -> tuple[float, float] | None:
+    """The logger's time bounds (each row, then start and a finished run's end), or None: it runs inline.
+    ``$BRICKYARD_LOGGER_TIMEOUT_S`` sets both where a logger has them."""
     if logger.timeout_s is None:
         return None
     override = os.environ.get(TIMEOUT_ENV)
     if override:
         try:
-            return max(0.1, float(override))
+            seconds = max(0.1, float(override))
         except ValueError:
             raise BrickyardError(f"{TIMEOUT_ENV}={override!r} is not a number of seconds, e.g. 30.") from None
-    return float(logger.timeout_s)
+        return seconds, seconds
+    return float(logger.timeout_s), float(logger.start_timeout_s or logger.timeout_s)
 
 
 class _Worker:
     """One logger's calls, run in order on a daemon thread; ``busy_since`` says how long the current one has run."""
 
-    def __init__(self, logger: Logger, timeout: float):
-        self.logger, self.timeout = logger, timeout
+    def __init__(self, logger: Logger, timeout: float, long_timeout: float):
+        self.logger, self.timeout, self.long_timeout = logger, timeout, long_timeout
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_since: float | None = None
         self.error: BaseException | None = None
@@ -93,17 +95,17 @@ class Loggers:
     def start(self, run: RunInfo) -> None:
         """Start each logger in order; the first that fails is one sentence, the ones started are finished."""
         for lg in list(self.loggers):
-            bound = _bound(lg)
-            if bound is None:
+            bounds = _bounds(lg)
+            if bounds is None:
                 self._start_inline(lg, run)
                 continue
-            w = self.workers[id(lg)] = _Worker(lg, bound)
+            w = self.workers[id(lg)] = _Worker(lg, *bounds)
             w.submit(lg.start, run)
-            if not w.done_by(time.monotonic() + bound):
+            if not w.done_by(time.monotonic() + w.long_timeout):
                 if w.error is not None:
                     self._drop(lg, None)
                     raise _start_error(lg, w.error)
-                self._drop(lg, f"did not start within {bound:g} s")
+                self._drop(lg, f"did not start within {w.long_timeout:g} s")
                 continue
             self.started.append(lg)
 
@@ -181,7 +183,7 @@ class Loggers:
         for lg in [lg for lg in self.started if id(lg) in self.workers]:
             w = self.workers[id(lg)]
             w.submit(lg.finish, ok)
-            waiting.append((lg, w, w.timeout if ok else min(w.timeout, STOP_WAIT_S)))
+            waiting.append((lg, w, w.long_timeout if ok else min(w.timeout, STOP_WAIT_S)))
         for lg, w, bound in waiting:
             if w.done_by(now + bound):
                 w.close()
@@ -192,6 +194,13 @@ class Loggers:
         self.loggers, self.started, self.workers = [], [], {}
         if first_error is not None:
             raise first_error
+
+
+def for_run(names: Iterable[str], given: Iterable[Logger] = (), warn: Callable[[str], None] = print) -> Loggers:
+    """Rank 0's loggers: ``metrics.jsonl`` first, then the ``train.loggers`` names (sorted), then ``given``
+    (instances passed to ``fit``)."""
+    chosen = list(ALWAYS) + sorted(set(names) - set(ALWAYS))
+    return Loggers([create(name) for name in chosen] + list(given), warn)
 
 
 def _start_error(lg: Logger, e: BaseException) -> BrickyardError:

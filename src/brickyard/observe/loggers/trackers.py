@@ -36,6 +36,9 @@ from brickyard.observe.loggers import Logger, RunInfo
 
 TRACKERS = ("mlflow", "wandb")
 TIMEOUT_S = 30.0  # a tracker call that takes longer (a server that accepts and never answers) drops the tracker
+# starting (importing the client, MLflow's first migration of a SQLite store: 10-25 s on 2 busy cores, W&B's init,
+# which allows itself 90 s) and the uploads at the end get longer
+START_TIMEOUT_S = 120.0
 _NUMBERS = {"train": ("loss", "accuracy", "lr", "images_per_second"), "val": ("loss", "accuracy", "top5"),
             "test": ("loss", "accuracy", "top5")}
 _ARTIFACTS = ("config.yaml", "summary.json", "env.json", "metrics.jsonl", "metrics.csv")
@@ -110,7 +113,7 @@ def metrics_of(record: dict) -> dict[str, float]:
 class _Tracker(Logger):
     """What MLflow and W&B share: the saved id, the parameters, the rows with numbers, the artifacts."""
 
-    timeout_s = TIMEOUT_S
+    timeout_s, start_timeout_s = TIMEOUT_S, START_TIMEOUT_S
 
     def start(self, run: RunInfo) -> None:
         self.run_dir, self.step = Path(run.run_dir), 0
