@@ -27,12 +27,12 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from brickyard.training import device as dev
-from brickyard.training.ways.collective import grad_sync
 from brickyard.config import load_config
 from brickyard.distributed.gradsync import GradSync
 from brickyard.models import create
 from brickyard.optim import build_optimizer, param_groups
+from brickyard.training import device as dev
+from brickyard.training.ways.collective import grad_sync
 
 
 def main():

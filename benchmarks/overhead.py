@@ -22,12 +22,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from brickyard.training import device as dev
 from brickyard import models
 from brickyard.config import load_config
 from brickyard.data import build_data
+from brickyard.training import device as dev
 from brickyard.training.loop import train
-
 
 CASES = {"resnet18": dict(model="resnet18", image=(3, 32, 32), batch=128, steps=10, rounds=5),
          "resnet50": dict(model="resnet50", image=(3, 224, 224), batch=16, steps=3, rounds=5)}

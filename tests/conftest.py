@@ -1,6 +1,9 @@
 import os
+import platform
 import subprocess
 import sys
+import sysconfig
+import traceback
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,82 @@ def pytest_xdist_auto_num_workers(config):
     against 26:18 and 27:20): the tests pin one thread a process, so no OpenMP team spins."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
     return max(1, min(4, cores))
+
+
+class _NoProcesses:
+    """Makes a test marked ``fast`` fail the moment it starts a process or a process group.
+
+    The fast tier (``make test-fast``, ``pytest -m fast``) is the suite's unit tier: pure logic and in-process
+    training of a second or two. Starting a Python process costs 3-4 CPU-seconds for torch's import alone,
+    and a process group waits on a rendezvous, so either would make the tier slow without anyone noticing.
+    Every way to start one goes through the patched calls: ``subprocess`` (``run``, ``check_output``,
+    ``os.popen``, asyncio's subprocesses) through ``Popen``; ``multiprocessing``, ``torch.multiprocessing``,
+    process pools and loader workers through ``BaseProcess.start``; a bare ``os.fork``, ``os.forkpty``,
+    ``os.posix_spawn``, ``os.system``; and ``torch.distributed.init_process_group``. The refusal is
+    ``pytest.fail`` (a ``BaseException``, so an ``except Exception`` in the code under test does not swallow
+    it), and a refusal that something did swallow still fails the test at its teardown."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+        self.refused: list[str] = []
+
+    def refuse(self, what: str):
+        def refused(*args, **kwargs):
+            self.refused.append(what)
+            pytest.fail(f"{self.nodeid} is marked fast but starts a process ({what}, from {_starter()}): the fast "
+                        "tier runs no subprocess and no process group; drop the fast mark or keep the test in-process",
+                        pytrace=False)
+        return refused
+
+    def install(self, monkeypatch):
+        import multiprocessing.process
+        # every run records platform.platform(), whose processor name Python reads once a process from
+        # `uname -p` (a subprocess, not Python's) and caches: read it before the guard goes up
+        platform.processor()
+        monkeypatch.setattr(subprocess.Popen, "__init__", self.refuse("subprocess.Popen"))
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", self.refuse("multiprocessing start"))
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                monkeypatch.setattr(os, name, self.refuse(f"os.{name}"))
+        import torch.distributed as tdist  # after the fork guards: torch's import runs no process of its own
+        if tdist.is_available():
+            monkeypatch.setattr(tdist, "init_process_group", self.refuse("torch.distributed.init_process_group"))
+            monkeypatch.setattr(tdist.distributed_c10d, "init_process_group",
+                                self.refuse("torch.distributed.init_process_group"))
+
+
+def _starter() -> str:
+    """The innermost caller outside Python's own library and this file: the code that started the process."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith(stdlib) and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "Python's own library"
+
+
+_CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request, monkeypatch):
+    """The guard of ``_NoProcesses`` around every test marked ``fast`` (in ``make test`` as in ``make test-fast``)."""
+    if request.node.get_closest_marker("fast") is None:
+        yield
+        return
+    guard = _NoProcesses(request.node.nodeid)
+    guard.install(monkeypatch)
+    yield
+    if guard.refused and request.node.stash.get(_CALL_PASSED, False):  # a test the refusal failed fails once
+        pytest.fail(f"{request.node.nodeid} is marked fast but tried to start a process ({guard.refused[0]}), "
+                    "and the refusal was caught inside the test", pytrace=False)
 
 
 def have_mnist() -> bool:

@@ -17,6 +17,7 @@ from PIL import Image
 
 from conftest import SYNTH, run_cli, sets
 
+
 def _png_header_only(w: int, h: int) -> bytes:
     """A 69-byte PNG whose header claims a w x h image: a decompression bomb."""
     def chunk(kind, data):
@@ -231,6 +232,7 @@ def test_a_hostile_input_is_one_sentence_and_changes_nothing(world, name, args, 
         assert not (tmp_path.parent / "escape").exists()
 
 
+@pytest.mark.fast
 def test_fit_checks_labels_before_training(tmp_path):
     from brickyard import fit
     from brickyard.errors import DataError
@@ -255,6 +257,7 @@ def test_fit_checks_labels_before_training(tmp_path):
     (lambda x, y, m: dict(train_data=(x.tolist(), y.tolist())), ("DataError", "got a tuple of 2: list, list")),
     (lambda x, y, m: dict(train_data=(np.array([object()] * 64), y.numpy())), ("DataError", "cannot be read as tensors"))],
     ids=["not a module", "empty", "empty val", "empty test", "float labels", "num_classes a string", "lists", "objects"])
+@pytest.mark.fast
 def test_fit_refuses_what_it_cannot_train_in_one_sentence(call, error, tmp_path):
     """Each of these crashed inside torch (IndexError, a dtype error in the loss, TypeError on '>='); an empty
     validation or test split was scored as 0% accuracy."""
@@ -284,6 +287,7 @@ class _Items(torch.utils.data.Dataset):
     (lambda: {"features": torch.randn(4), "class": 1}, "items are dicts of 'features', 'class'; brickyard reads the input from"),
     (lambda: (torch.randn(4), 1, "extra"), "items must be (input, label) pairs; item 0 is a tuple of 3"),
     (lambda: (torch.randn(4), "cat"), "item 0's label is str")])
+@pytest.mark.fast
 def test_a_dataset_of_other_items_is_one_sentence(item, words, tmp_path):
     """A dict of names brickyard does not read (Hugging Face's are read: tests/data/test_items.py), a triple, a name
     for a label: each failed inside the loop (unpacking, .to())."""
@@ -303,6 +307,7 @@ def test_a_dataset_of_numpy_items_trains(tmp_path):
     assert s["steps"] == 2
 
 
+@pytest.mark.fast
 def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
     """keras.datasets' arrays as they come: uint8 N x H x W images and N x 1 uint8 labels (CIFAR's shape);
     float labels train with a loss of the user's; one KEY=VALUE string is one override."""
@@ -322,6 +327,7 @@ def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
     assert s["steps"] == 1
 
 
+@pytest.mark.fast
 def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     """Keras's ``to_categorical`` labels (N x C floats): the same weights and accuracy as the class indices, the
     classes counted from the width (the last one no sample has), label smoothing applied; rows of other
@@ -445,6 +451,7 @@ def test_a_datasets_one_hot_rows_are_scored_as_classes_and_a_regressions_rows_ar
         fit(reg, _Pairs(x, torch.nn.functional.one_hot(labels, 5)), run_dir=tmp_path / "wider", overrides=ov)
 
 
+@pytest.mark.fast
 def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
     """A DataLoader, as Lightning and Accelerate users hand one over: read as its Dataset, its batch per device
     (Accelerate's reading), the same weights as the Dataset with that ``data.batch_size``; ``batch_size=`` still
@@ -453,6 +460,7 @@ def test_fit_takes_a_dataloader_as_the_dataset_and_batch_it_loads(tmp_path):
     tests/data/test_collate.py).
     Before, any DataLoader was refused."""
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
     from brickyard import fit
     from brickyard.errors import DataError
     torch.manual_seed(0)

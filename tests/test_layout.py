@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "brickyard"
 
 
@@ -34,6 +36,7 @@ def top_level_imports(path: Path, known: set[str]) -> set[str]:
     return found - {module_name(path)}
 
 
+@pytest.mark.fast
 def test_no_module_imports_one_that_imports_it_back():
     mods = modules()
     graph = {m: top_level_imports(p, set(mods)) for m, p in mods.items()}
@@ -55,6 +58,7 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+@pytest.mark.fast
 def test_imports_inside_functions_say_why():
     """Imports belong at the top; one inside a function (start-up time, an optional dependency, an
     OS-only module) carries a comment at or above its first import in that function."""
@@ -93,6 +97,7 @@ def test_the_suite_runs_with_and_without_pytest_xdist():
         assert "test_optim.py::" in r.stdout
 
 
+@pytest.mark.fast
 def test_tests_mirror_the_package():
     tests = Path(__file__).resolve().parent
     folders = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
@@ -110,6 +115,7 @@ def _layer_of(module: str) -> str:
     return module.split(".")[1] if "." in module else "__init__"
 
 
+@pytest.mark.fast
 def test_folders_depend_one_way():
     assert {p.stem if p.is_file() else p.name for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} \
         - {"__init__"} == set(LAYERS), "a new folder or top-level module: give it its place in LAYERS"
@@ -130,6 +136,7 @@ def test_folders_depend_one_way():
     assert not upward, "imports against the layers: " + "; ".join(upward)
 
 
+@pytest.mark.fast
 def test_callbacks_see_the_public_run_only():
     """brickyard's own behaviours use the contract a user's callback has: nothing under callbacks/,
     boost/ or observe/ reads or writes the run's private engine."""

@@ -26,8 +26,9 @@ import re
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from brickyard.errors import CheckpointError
 

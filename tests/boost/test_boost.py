@@ -10,11 +10,13 @@ from torch import nn
 
 from brickyard import api
 from brickyard.boost import dim_reduce as boost
-from brickyard.training import checkpoint
 from brickyard.config import load_config
+from brickyard.training import checkpoint
 from brickyard.training.step import make_loss_sum
 from conftest import SYNTH, run_cli, sets
 
+
+@pytest.mark.fast
 def test_subspace_bfgs_with_exact_line_search_converges_in_n_plus_1_steps():
     torch.manual_seed(0)
     n = 6
@@ -23,7 +25,7 @@ def test_subspace_bfgs_with_exact_line_search_converges_in_n_plus_1_steps():
     w_star = torch.randn(n, dtype=torch.float64)
     w = torch.zeros(n, dtype=torch.float64)
     B, s, g_prev = torch.eye(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), None
-    for k in range(n + 1):
+    for k in range(n + 1):  # noqa: B007 (the assertion after the loop reads k)
         g = A @ (w - w_star)
         if g.norm() < 1e-9:
             break
@@ -37,6 +39,7 @@ def test_subspace_bfgs_with_exact_line_search_converges_in_n_plus_1_steps():
     assert (A @ (w - w_star)).norm() < 1e-8 and k <= n + 1
 
 
+@pytest.mark.fast
 def test_pca_rows_are_orthonormal_and_capture_a_planted_subspace():
     torch.manual_seed(1)
     M, k = 500, 4
@@ -132,6 +135,7 @@ def _problem(kind, rng, M):
 
 @pytest.mark.parametrize("method", ["mindspore", "dldr"])
 @pytest.mark.parametrize("problem", ["quadratic", "logistic"])
+@pytest.mark.fast
 def test_stage2_follows_its_source_step_by_step(method, problem):
     rng = np.random.default_rng(3)
     M, n = 24, 5
@@ -166,6 +170,7 @@ def _linear_problem():
     return params, P
 
 
+@pytest.mark.fast
 def test_mindspore_failed_search_takes_no_subspace_step_and_rolls_back():
     params, P = _linear_problem()
     cfg = boost.method_settings(SimpleNamespace(method="mindspore", rho=None, alpha=0.0, max_search=None, sigma=0.4, gamma=0.9))
@@ -187,6 +192,7 @@ def test_mindspore_failed_search_takes_no_subspace_step_and_rolls_back():
     assert dr.stats.total["steps"] == 3 and dr.stats.total["passed"] == 2
 
 
+@pytest.mark.fast
 def test_dldr_failed_search_takes_the_smallest_step_and_remembers_it():
     params, P = _linear_problem()
     cfg = boost.method_settings(SimpleNamespace(method="dldr", rho=None, alpha=None, max_search=None, sigma=0.4, gamma=0.9))
@@ -200,6 +206,7 @@ def test_dldr_failed_search_takes_the_smallest_step_and_remembers_it():
     assert torch.allclose(dr.s, 0.4 ** 20 * d) and not torch.equal(boost.flat_params(params), w)
 
 
+@pytest.mark.fast
 def test_trial_forwards_leave_batch_norm_statistics_alone():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -264,6 +271,7 @@ def test_too_few_snapshots_and_bad_pca_are_clear(tmp_path):
     assert r.returncode == 2 and "computed for other parameters" in r.stderr
 
 
+@pytest.mark.fast
 def test_damaged_snapshot_and_subspace_files_are_one_sentence(tmp_path):
     (tmp_path / "snap").mkdir()
     (tmp_path / "snap" / "snap-0000010.pt").write_bytes(b"not a torch file")

@@ -9,9 +9,9 @@ from torch import nn
 
 import brickyard
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.callbacks import EMA, CSVLogger, EarlyStopping, MaxTime
 from brickyard.errors import BrickyardError, ConfigError
+from brickyard.training import checkpoint
 from conftest import run_cli, sets
 
 BASE = {"train": {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False,
@@ -69,6 +69,7 @@ def test_user_model_with_its_own_loss_learns_2d_points(tmp_path):
     assert len(test["confusion"]) == 2 and test["loss"] == pytest.approx(s["test_loss"])
 
 
+@pytest.mark.fast
 def test_regression_outputs_get_the_loss_alone(tmp_path):
     x = torch.randn(256, 3)
     y = x @ torch.tensor([1.0, -2.0, 0.5])
@@ -78,6 +79,7 @@ def test_regression_outputs_get_the_loss_alone(tmp_path):
     assert s["test_accuracy"] is None and s["test_loss"] < 0.01
 
 
+@pytest.mark.fast
 def test_hooks_are_called_in_order_and_stop_ends_cleanly_with_a_checkpoint(tmp_path):
     x, y = spirals(320)
     rec = Recorder()
@@ -100,6 +102,7 @@ def test_hooks_are_called_in_order_and_stop_ends_cleanly_with_a_checkpoint(tmp_p
     assert c[first_val - 1] == "on_validation_start" and c[first_val + 1:first_val + 3] == ["on_checkpoint", "on_epoch_end"]
 
 
+@pytest.mark.fast
 def test_early_stopping_stops_and_restores_the_best_weights(tmp_path):
     x, y = spirals(320)
     best = {}
@@ -120,6 +123,7 @@ def test_early_stopping_stops_and_restores_the_best_weights(tmp_path):
     assert all(torch.equal(final[k], v) for k, v in best[best_step][1].items())
 
 
+@pytest.mark.fast
 def test_ema_evaluates_and_saves_the_averaged_weights(tmp_path):
     x, y = spirals(320)
     model = mlp()
@@ -142,6 +146,7 @@ def test_ema_evaluates_and_saves_the_averaged_weights(tmp_path):
     assert torch.equal(model[0].weight.detach(), seen[-1][2])  # fit returns the averaged weights
 
 
+@pytest.mark.fast
 def test_max_time_and_csv_logger(tmp_path):
     x, y = spirals(320)
     s = api.fit(mlp(), (x, y), val_data=(x, y), config=cfg(epochs=100000),
@@ -151,6 +156,7 @@ def test_max_time_and_csv_logger(tmp_path):
     assert rows[0].startswith("step,epoch,lr,train_loss,val_loss") and len(rows) >= 2
 
 
+@pytest.mark.fast
 def test_bad_callbacks_and_losses_are_one_sentence_and_keep_what_was_written(tmp_path):
     x, y = spirals(320)
 
@@ -172,6 +178,7 @@ def test_bad_callbacks_and_losses_are_one_sentence_and_keep_what_was_written(tmp
         api.fit(mlp(), (x, y), config=cfg() | {"data": {"augment": "shift"}}, run_dir=tmp_path / "e")
 
 
+@pytest.mark.fast
 def test_fit_leaves_the_process_as_it_found_it(tmp_path):
     x, y = spirals(128)
     threads = torch.get_num_threads()
@@ -180,6 +187,7 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled() and torch.get_num_threads() == threads
 
 
+@pytest.mark.fast
 def test_fit_without_config_trains_the_default_recipe():
     from brickyard.config import load_config
     a, b = api.resolve_config(None).to_dict(), load_config("mnist").to_dict()
@@ -258,6 +266,7 @@ def test_fit_under_plain_torchrun(tmp_path):
     assert len(runs) == 1 and (runs[0] / "summary.json").is_file()
 
 
+@pytest.mark.fast
 def test_layer_outputs_are_captured_every_n_steps_and_other_steps_run_without_hooks(tmp_path):
     from brickyard.callbacks import LayerOutputs
 

@@ -6,13 +6,13 @@ import traceback
 
 import pytest
 import torch
+from test_callbacks import cfg, mlp, spirals
 from torch import nn
 
 import brickyard
 from brickyard import api
 from brickyard.callbacks import EarlyStopping
 from brickyard.errors import BrickyardError, UserCodeError
-from test_callbacks import cfg, mlp, spirals
 
 
 def own_step(run, batch):
@@ -22,6 +22,7 @@ def own_step(run, batch):
     return nn.functional.cross_entropy(outputs, targets), outputs
 
 
+@pytest.mark.fast
 def test_a_step_written_from_scratch_trains_the_builtin_weights(tmp_path):
     x, y = spirals(320)
     conf = cfg(epochs=2, grad_accum=2) | {"optim": {"name": "momentum", "lr": 0.1, "label_smoothing": 0.0}}
@@ -34,6 +35,7 @@ def test_a_step_written_from_scratch_trains_the_builtin_weights(tmp_path):
     assert abs(b["val_loss"] - a["val_loss"]) < 1e-5  # the totals, the NaN guard and evaluation ran as for brickyard's
 
 
+@pytest.mark.fast
 def test_a_step_that_returns_a_dict_as_lightnings_training_step_may(tmp_path):
     """Lightning's ``training_step`` may return ``{"loss": loss, ...}``: the same weights and accuracy as the pair."""
     x, y = spirals(320)
@@ -54,6 +56,7 @@ def test_a_step_that_returns_a_dict_as_lightnings_training_step_may(tmp_path):
     assert trained[0] == trained[1] and trained[0] and None not in trained[0]  # the outputs gave the training accuracy
 
 
+@pytest.mark.fast
 def test_a_step_that_calls_backward_itself_and_returns_the_loss_alone(tmp_path):
     x, y = spirals(320)
     calls = []
@@ -70,6 +73,7 @@ def test_a_step_that_calls_backward_itself_and_returns_the_loss_alone(tmp_path):
     assert len(calls) == s["steps"] and s["val_accuracy"] > 0.6
 
 
+@pytest.mark.fast
 def test_a_bad_step_result_is_one_sentence(tmp_path):
     x, y = spirals(64)
     with pytest.raises(BrickyardError, match=r"must return the mean loss as a 0-dim tensor \(or \(loss, outputs\), or .*it returned \(32,\)"):
@@ -83,6 +87,7 @@ def test_a_bad_step_result_is_one_sentence(tmp_path):
         api.fit(mlp(), (x, y), config=cfg(epochs=1), train_step=lambda run, b: torch.tensor(1.0), run_dir=tmp_path / "b")
 
 
+@pytest.mark.fast
 def test_two_early_stoppings_resume_with_their_own_state(tmp_path):
     x, y = spirals(320)
     by_loss, by_acc = EarlyStopping("val_loss", patience=50), EarlyStopping("val_accuracy", patience=50)
@@ -100,6 +105,7 @@ def test_two_early_stoppings_resume_with_their_own_state(tmp_path):
                 callbacks=[EarlyStopping("val_loss"), EarlyStopping("val_loss")], run_dir=tmp_path / "twice")
 
 
+@pytest.mark.fast
 def test_user_code_keeps_its_traceback(tmp_path):
     x, y = spirals(64)
 
@@ -122,6 +128,7 @@ def test_user_code_keeps_its_traceback(tmp_path):
         assert info.value.__cause__ is not None and str(info.value).count("\n") == 0  # one sentence, the cause kept
 
 
+@pytest.mark.fast
 def test_torch_schedulers_accept_run_optimizer(tmp_path):
     x, y = spirals(320)
     seen = []
@@ -151,6 +158,7 @@ def test_fit_takes_the_classes_of_a_dataset_from_the_model(tmp_path):
     assert json.loads((tmp_path / "wide" / "summary.json").read_text())["steps"] == s["steps"]
 
 
+@pytest.mark.fast
 def test_logs_go_through_python_logging(tmp_path, capsys):
     x, y = spirals(64)
     records = []

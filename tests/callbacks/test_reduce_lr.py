@@ -87,6 +87,7 @@ def test_a_resumed_run_keeps_the_reductions_and_ends_with_the_same_weights(tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.fast
 def test_the_callback_scales_another_schedule_and_watches_accuracy(tmp_path):
     """Given to ``fit`` on top of a cosine schedule, watching val_accuracy (higher is better): each step's rate is
     the cosine's times the reductions so far."""

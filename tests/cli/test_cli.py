@@ -44,6 +44,7 @@ def test_a_finished_run_is_not_trained_over(tmp_path):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # not a byte changed or added
 
 
+@pytest.mark.fast
 def test_default_run_dirs_do_not_collide(tmp_path, monkeypatch):
     from brickyard.training.rundir import default_path as default_run_dir
     monkeypatch.chdir(tmp_path)

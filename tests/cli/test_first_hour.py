@@ -1,6 +1,7 @@
 """What a user meets in the first hour: the numbers and lines a run prints, `models`, `memory`."""
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -8,12 +9,14 @@ import torch
 from torch import nn
 
 from brickyard import api
+from brickyard.data import loaders
 from brickyard.errors import BrickyardError
 from conftest import SYNTH, run_cli, sets
 
 CPU = {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False, "tensorboard": False}
 
 
+@pytest.mark.fast
 def test_log_lines_count_epochs_from_one_and_show_small_rates(tmp_path):
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     cfg = {"train": CPU | {"epochs": 2, "log_every": 2}, "data": {"batch_size": 16},
@@ -24,6 +27,7 @@ def test_log_lines_count_epochs_from_one_and_show_small_rates(tmp_path):
     assert "epoch 1 step 4 val loss" in log and "epoch 2 step 8 val loss" in log
 
 
+@pytest.mark.fast
 def test_non_finite_loss_without_a_checkpoint_says_so(tmp_path):
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     model = nn.Linear(4, 2)
@@ -49,6 +53,7 @@ def test_memory_reports_the_precision_training_would_use():
         assert want in r.stdout
 
 
+@pytest.mark.fast
 def test_the_licence_is_declared_the_way_setuptools_wants():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert re.search(r'^license = "MIT"$', text, re.M)  # a table is deprecated and printed a warning at every install
@@ -98,34 +103,45 @@ def test_epoch_times_and_test_accuracy_during_training(tmp_path):
     assert "epoch 2 took" in (run / "train.log").read_text()
 
 
-def test_input_bound_advice_fits_the_loader():
-    """The in-memory loader has no workers to add: its input-bound line must not suggest them."""
-    import time
-    from types import SimpleNamespace as NS
-    from brickyard.callbacks.progress import ProgressLog
-    from brickyard.optim import Update
-    from brickyard.training.run import Meter
+class SlowReads(torch.utils.data.Dataset):
+    """Tensors read as a streamed data set whose every read waits (a slow disk): the run is input-bound."""
 
-    class Totals:
-        count, classify = 0, True
+    def __init__(self, x, y, seconds: float):
+        self.x, self.y, self.seconds = x, y, seconds
 
-        def read(self):
-            return [1.0, 1.0, float(self.count)]
+    def __len__(self):
+        return len(self.y)
 
-    lines = []
-    for hint in (None, "try more data.num_workers"):
-        meter = Meter(Totals())  # what the loop measures; ProgressLog reads it through the public Run
-        run = NS(config=NS(train=NS(log_every=1, progress="plain")), is_main=True, meter=meter, epoch=0, step=1,
-                 steps_per_epoch=10, total_steps=10, lr=0.1, train_loss=None, train_accuracy=None,
-                 update_note=Update().describe, log=NS(info=lambda line, console=True: lines.append(line)))
-        log = ProgressLog(run, NS(write=lambda **k: None), NS(scalars=lambda *a: None), hint, guard=lambda run: None)
-        meter.start_epoch()
-        log.on_epoch_start(run)
-        meter.totals.count, meter.images, meter.data_wait = 8, 8, 1.0  # the whole window spent waiting for data
-        time.sleep(0.01)
-        log._log(run)
-    assert "input-bound" not in lines[0] and "num_workers" not in lines[0]
-    assert "input-bound" in lines[1] and "try more data.num_workers" in lines[1]
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.fast
+def test_input_bound_advice_fits_the_loader(tmp_path, monkeypatch):
+    """The in-memory loader has no workers to add: its input-bound line must not suggest them; a streamed
+    run's does. Both are real runs that wait on every batch (metrics.jsonl measures it), so what differs is
+    the run's own choice of the advice, by where its data lives."""
+    memory_epoch = loaders.InMemoryLoader.epoch
+
+    def slow_epoch(self, *args, **kwargs):  # in-memory batches that come late, as a slow loader's would
+        for batch in memory_epoch(self, *args, **kwargs):
+            time.sleep(0.02)
+            yield batch
+
+    monkeypatch.setattr(loaders.InMemoryLoader, "epoch", slow_epoch)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    cfg = {"train": CPU | {"epochs": 1, "log_every": 2}, "data": {"batch_size": 16, "num_workers": 0}}
+    lines = {}
+    for where, data in (("memory", (x, y)), ("stream", SlowReads(x, y, 0.002))):
+        api.fit(nn.Linear(4, 2), data, num_classes=2, config=cfg, run_dir=tmp_path / where)
+        log = (tmp_path / where / "train.log").read_text().splitlines()
+        lines[where] = [line for line in log if " step " in line and " img/s" in line]
+        rows = [json.loads(line) for line in (tmp_path / where / "metrics.jsonl").read_text().splitlines()]
+        waits = [row["data_wait_fraction"] for row in rows if row["kind"] == "train"]
+        assert len(lines[where]) == 2 and len(waits) == 2 and min(waits) > 0.5, (log, waits)  # both input-bound
+    assert all("input-bound" not in line and "num_workers" not in line for line in lines["memory"]), lines
+    assert all("input-bound" in line and "(try more data.num_workers)" in line for line in lines["stream"]), lines
 
 
 def test_a_run_that_stops_learning_says_so_and_can_end_there(tmp_path):

@@ -14,6 +14,7 @@ QUICK = ["train.max_steps=2", "train.progress=none", "train.plots=false", "train
          "train.threads=2", "train.precision=fp32"]
 
 
+@pytest.mark.fast
 def test_the_course_presets_state_the_courses_recipes():
     lenet = load_config("d2l-lenet")
     assert (lenet.model.name, lenet.model.init, lenet.optim.name, lenet.optim.lr, lenet.data.global_batch_size,
@@ -32,6 +33,7 @@ def test_the_course_presets_state_the_courses_recipes():
         (10, True, "torchvision:resnet18", 5)
 
 
+@pytest.mark.fast
 def test_the_lean_fashion_preset_is_the_recipe_its_table_measured():
     """docs/benchmarks.md's 20 seeds of `fashion-lean` ran as `fashion` with three overrides: the preset is that
     config, so a change to `fashion` that the table did not measure shows here."""

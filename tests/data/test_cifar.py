@@ -59,6 +59,7 @@ def _serve(monkeypatch, www, url, name, archive: bytes, md5: str | None = None):
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+@pytest.mark.fast
 def test_download_checksum_parse_and_cache(name, http_folder, cache_dir, monkeypatch):
     www, url = http_folder
     archive, xtr, ytr, xte, yte = make_archive(name)
@@ -100,6 +101,7 @@ def test_the_bundle_splits_off_validation_and_trains(http_folder, cache_dir, mon
     assert info.returncode == 0 and "cifar10: 200 train + 40 test images of 10 classes (airplane, automobile" in info.stdout, info.stdout
 
 
+@pytest.mark.fast
 def test_a_corrupt_download_is_one_sentence_and_nothing_is_kept(http_folder, cache_dir, monkeypatch):
     www, url = http_folder
     archive = make_archive("cifar10")[0]
@@ -109,6 +111,7 @@ def test_a_corrupt_download_is_one_sentence_and_nothing_is_kept(http_folder, cac
     assert not (cache_dir / "cifar10" / "cifar-10-binary.tar.gz").exists()
 
 
+@pytest.mark.fast
 def test_a_damaged_or_foreign_file_in_place_is_one_sentence(tmp_path):
     folder = tmp_path / "c10"
     folder.mkdir()

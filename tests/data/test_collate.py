@@ -74,6 +74,7 @@ def test_a_collate_fn_trains_and_evaluates_as_the_tensors_it_makes(tmp_path, wor
     assert "test_data: a DataLoader, read as its Dataset and its collate_fn (stack) with its batch of 7" in log
 
 
+@pytest.mark.fast
 def test_a_collate_fn_that_returns_a_dict_as_hugging_face_collators_do(tmp_path):
     """``pixel_values`` and ``labels`` (a list) from dict items, with a sampler brickyard reads (a
     SubsetRandomSampler's indices): trained and validated, the same weights as the floats it makes; the first
@@ -92,6 +93,7 @@ def test_a_collate_fn_that_returns_a_dict_as_hugging_face_collators_do(tmp_path)
     assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.fast
 def test_a_collate_fn_that_does_not_give_a_pair_a_sample_is_one_sentence(tmp_path):
     """What a collate_fn returns is checked on the first item, before anything is written; a batch whose size
     differs from its items' count is refused too, in the middle of an epoch (the shares of a batch among

@@ -15,6 +15,7 @@ from conftest import needs_mnist
 
 
 @pytest.mark.parametrize("n, batch, world", [(100, 8, 1), (100, 8, 3), (97, 5, 4), (10, 4, 3)])
+@pytest.mark.fast
 def test_plan_shards_are_disjoint_and_cover_the_epoch(n, batch, world):
     plans = [BatchPlan(n, batch, world, r, seed=3) for r in range(world)]
     seen = [torch.cat([i for i, _ in p.batches(epoch=2)]) for p in plans]
@@ -28,6 +29,7 @@ def test_plan_shards_are_disjoint_and_cover_the_epoch(n, batch, world):
     assert torch.equal(torch.cat([i for i, _ in plans[0].batches(2)]), seen[0])
 
 
+@pytest.mark.fast
 def test_plan_resumes_inside_an_epoch():
     p = BatchPlan(50, 4, seed=1)
     full = [i for i, _ in p.batches(0)]
@@ -47,12 +49,14 @@ def test_memory_and_stream_loaders_give_the_same_batches():
         assert torch.equal(a, b) and torch.equal(ya, yb) and na == nb and oa == ob
 
 
+@pytest.mark.fast
 def test_eval_batches_count_every_sample_once():
     split = Split(torch.zeros(103, 1, 2, 2, dtype=torch.uint8), torch.arange(103))
     got = torch.cat([y for r in range(4) for _, y in eval_batches(split, 10, torch.device("cpu"), 4, r)])
     assert sorted(got.tolist()) == list(range(103))
 
 
+@pytest.mark.fast
 def test_shift_and_flip_are_seeded_per_step():
     prep = DevicePrep((0.5,), (0.25,), augment="crop-flip", shift=2, seed=1)
     x = torch.randint(0, 255, (16, 1, 10, 10), dtype=torch.uint8)
@@ -66,6 +70,7 @@ def test_shift_and_flip_are_seeded_per_step():
     assert torch.equal(y, torch.ones(2, 1, 5, 5))
 
 
+@pytest.mark.fast
 def test_synthetic_shapes():
     cfg = DataConfig(name="synthetic", synthetic=SyntheticConfig(num_train=40, num_val=0, num_test=8, channels=3, height=12, width=9, num_classes=4))
     d = build_data(cfg)
@@ -73,6 +78,7 @@ def test_synthetic_shapes():
 
 
 @needs_mnist
+@pytest.mark.fast
 def test_mnist_split_and_checksums():
     d = build_data(DataConfig(name="mnist"))
     assert (len(d.train), len(d.val), len(d.test)) == (50000, 10000, 10000)
@@ -82,6 +88,7 @@ def test_mnist_split_and_checksums():
 
 
 @needs_mnist
+@pytest.mark.fast
 def test_a_decoded_cache_that_is_not_what_decoding_gives_is_built_again(tmp_path, cache_dir):
     """The ``.npy`` beside the files is a file anyone sharing the folder could replace: a labels array out of
     range (an IndexError in the loss, mid-epoch) or a short images array is decoded from the source again."""
@@ -107,6 +114,7 @@ def _write_idx(folder, stem, array, gz=True):
     return raw
 
 
+@pytest.mark.fast
 def test_corrupt_file_names_the_file_and_checksum(tmp_path, monkeypatch, cache_dir):
     folder = tmp_path / "mnist"
     folder.mkdir()
@@ -118,6 +126,7 @@ def test_corrupt_file_names_the_file_and_checksum(tmp_path, monkeypatch, cache_d
     assert "train-images-idx3-ubyte.gz" in msg and "6bbc9ace898e44ae57da46a324031adb" in msg
 
 
+@pytest.mark.fast
 def test_truncated_gzip_is_a_clear_error(tmp_path, cache_dir):
     folder = tmp_path / "mnist"
     folder.mkdir()
@@ -127,6 +136,7 @@ def test_truncated_gzip_is_a_clear_error(tmp_path, cache_dir):
         idx.load_idx("mnist", str(folder), allow_download=False)
 
 
+@pytest.mark.fast
 def test_decode_checks_header_and_length(tmp_path):
     raw = bytes([0, 0, 8, 1]) + (5).to_bytes(4, "big") + b"abc"
     with pytest.raises(DataError, match="truncated"):
@@ -135,6 +145,7 @@ def test_decode_checks_header_and_length(tmp_path):
         idx.decode(b"hello world", tmp_path / "x")
 
 
+@pytest.mark.fast
 def test_missing_files_offline_says_where_to_put_them(tmp_path, monkeypatch, cache_dir):
     monkeypatch.setenv("BRICKYARD_DATA", str(tmp_path / "nothing"))
     with pytest.raises(DataError) as e:
@@ -142,6 +153,7 @@ def test_missing_files_offline_says_where_to_put_them(tmp_path, monkeypatch, cac
     assert str(tmp_path / "nothing" / "fashion-mnist") in str(e.value)
 
 
+@pytest.mark.fast
 def test_failed_download_says_where_to_put_files(tmp_path, monkeypatch, cache_dir):
     monkeypatch.setenv("BRICKYARD_DATA", str(tmp_path / "nothing"))
 
@@ -156,6 +168,7 @@ def test_failed_download_says_where_to_put_files(tmp_path, monkeypatch, cache_di
     assert not list(cache_dir.rglob("*.gz"))  # nothing half-written
 
 
+@pytest.mark.fast
 def test_download_verifies_and_stores(tmp_path, monkeypatch, cache_dir):
     """A served file is checked against the MD5 table before it is stored."""
     monkeypatch.setenv("BRICKYARD_DATA", str(tmp_path / "nothing"))
@@ -174,6 +187,7 @@ def test_download_verifies_and_stores(tmp_path, monkeypatch, cache_dir):
     assert (cache_dir / "mnist" / "train-labels-idx1-ubyte.gz").is_file()
 
 
+@pytest.mark.fast
 def test_an_explicit_root_means_that_folder(tmp_path, cache_dir, monkeypatch):
     if idx.locate("mnist", None) is None:
         pytest.skip("MNIST files not found")
@@ -211,6 +225,7 @@ def test_the_fashion_preset_downloads_from_a_mirror_and_trains(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.fast
 def test_normalisation_is_the_formula_bit_for_bit_and_leaves_the_batch_alone(channels_last):
     """DevicePrep normalises in place for speed: the result must be (x / 255 - mean) / std exactly (runs
     and resumes reproduce across versions), in the layout asked for, and the uint8 batch unchanged."""

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.config import load_config
 from brickyard.data import build_data
 from brickyard.errors import CheckpointError, ConfigError, DataError
+from brickyard.training import checkpoint
 from conftest import SYNTH, run_cli, sets
 
 IF = ["data.name=imagefolder", "data.train_transforms=[resize:28x28]", "data.eval_transforms=[resize:28x28]",
@@ -84,11 +84,13 @@ def test_imagefolder_bad_inputs(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
 
 
+@pytest.mark.fast
 def test_random_crop_pads_and_draws_as_torchvisions_random_crop():
     """``random_crop:S:P`` is torchvision's ``RandomCrop(S, padding=P, pad_if_needed=True)`` with black
     padding: P pixels on every border, then a crop whose top (drawn first) and left are uniform over the
     places it fits; an image smaller than S is padded by what it lacks on both sides."""
     import random
+
     from brickyard.data.transforms import Pipeline
     img = (torch.arange(2 * 6 * 5) % 200 + 50).to(torch.uint8).view(2, 6, 5)  # no pixel is black
     pipe = Pipeline(["random_crop:6x5:2"], 2)
@@ -108,6 +110,7 @@ def test_random_crop_pads_and_draws_as_torchvisions_random_crop():
             load_config("mnist", IF + [f"data.train_transforms=[{bad}]"])
 
 
+@pytest.mark.fast
 def test_linked_folders_are_read_once_and_hidden_ones_not_at_all(tmp_path):
     """A class folder that is a link, a folder linked inside one (torchvision's ImageFolder follows them), a link
     back up the tree (read once, not a loop), a dangling link, and Jupyter's hidden checkpoint copies."""
@@ -129,6 +132,7 @@ def test_linked_folders_are_read_once_and_hidden_ones_not_at_all(tmp_path):
     assert not any("checkpoint" in str(f) or "/up/" in str(f) for f in files), files
 
 
+@pytest.mark.fast
 def test_what_windows_and_macos_leave_in_a_photo_folder_is_left_out_and_other_files_are_still_named(tmp_path):
     """Windows Explorer's Thumbs.db and desktop.ini (hidden by attribute there, not by a dot) and the __MACOSX folder
     of a zip made on a Mac are left out, as .DS_Store is; any other file that is not an image is still an error."""
@@ -289,6 +293,7 @@ def test_a_small_export_keeps_every_class_and_trains(tmp_path):
     assert t.returncode == 0, t.stderr
 
 
+@pytest.mark.fast
 def test_default_transforms_follow_the_images_own_size(digits, tmp_path):
     small = build_data(load_config("mnist", ["data.name=imagefolder", f"data.root={digits}", "data.normalize=mnist"]).data)
     assert small.image_size == (28, 28) and small.train.dataset[0][0].shape == (1, 28, 28)
@@ -304,8 +309,8 @@ def test_random_crops_are_the_same_on_any_number_of_processes_and_after_a_resume
     """An image's random crop and flip are drawn from (seed, epoch, image): 1 process, 3 processes and a run
     stopped at step 4 and resumed on 2 processes with loader workers end with the same weights (they drew
     from each worker's own stream before, 8e-3 apart after 5 steps)."""
-    from brickyard.data.photos import make_photo_folder
     from brickyard.data.imagefolder import ImageFolderDataset, scan
+    from brickyard.data.photos import make_photo_folder
     from brickyard.data.transforms import Pipeline
     make_photo_folder(tmp_path / "photos", classes=3, per_class={"train": 6, "test": 2}, seed=3, min_size=40, max_size=72)
     files, labels, _ = scan(tmp_path / "photos" / "train")

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from brickyard import api, predict
-from brickyard.training import checkpoint
 from brickyard.data import from_user
 from brickyard.errors import ConfigError, DataError
+from brickyard.training import checkpoint
 
 RUN = ["train.progress=none", "train.precision=fp32", "train.threads=1", "train.plots=false", "train.tensorboard=false",
        "data.batch_size=8"]

@@ -6,11 +6,8 @@ it can and resamples once with Pillow's antialiased bilinear filter; the step-by
 full and resizes with torch's. Per image: mean absolute difference <= 4 grey levels of 255 and fewer
 than 1% of values differ by more than 32 (measured here: <= 3.5 and <= 0.6%).
 """
-import hashlib
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -59,6 +56,7 @@ def test_the_generator_is_deterministic_and_photo_like(photos, tmp_path):
     (["resize:256", "random_crop:224"], 4),  # as resize and centre crop
     (["resize:64x64", "random_crop:64:4"], 0),  # padded: past the image, so read step by step
 ])
+@pytest.mark.fast
 def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(photos, specs, tolerance):
     pipe = Pipeline(specs, 3)
     for f in sorted((photos / "train").rglob("*.jpg")):
@@ -69,6 +67,7 @@ def test_the_fast_path_equals_the_step_by_step_pipeline_up_to_the_resize_filter(
         assert d.mean() <= tolerance and (d > 32).float().mean() < 0.01, (f, d.mean().item(), (d > 32).float().mean().item())
 
 
+@pytest.mark.fast
 def test_the_disk_cache_is_written_once_read_as_the_files_and_refuses_what_it_does_not_hold(photos, tmp_path):
     cfg = load_config("mnist", ["data.name=imagefolder", f"data.root={photos}", "data.cache=disk",
                                 "data.train_transforms=[resize:128x128]"])
@@ -110,6 +109,7 @@ def test_the_disk_cache_is_written_once_read_as_the_files_and_refuses_what_it_do
             p.unlink()
 
 
+@pytest.mark.fast
 def test_an_unreadable_jpeg_is_one_sentence_on_the_fast_path(photos, tmp_path):
     bad = tmp_path / "bad.jpg"
     data = (next((photos / "train").rglob("*.jpg"))).read_bytes()

@@ -6,8 +6,15 @@ import re
 
 import pytest
 import torch
-from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, Sampler, Subset, SubsetRandomSampler,
-                              WeightedRandomSampler)
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    Subset,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from brickyard import fit
 from brickyard.callbacks import Callback
@@ -56,6 +63,7 @@ def _model():
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
 
 
+@pytest.mark.fast
 def test_a_weighted_draw_is_sharded_like_a_permutation_on_any_world_size():
     """Every rank of 1, 2 or 3 draws the same epoch from (seed, epoch); their shards, in rank order, are the
     one-process batch; zero weights are never drawn; another epoch draws again."""
@@ -75,6 +83,7 @@ def test_a_weighted_draw_is_sharded_like_a_permutation_on_any_world_size():
     assert sorted(without[:60].tolist()) == list(range(60)) and len(without) == 130  # whole permutations, cut
 
 
+@pytest.mark.fast
 def test_a_subset_random_sampler_trains_on_its_indices_as_a_subset_would(tmp_path):
     """The train / validation split by indices over one Dataset (a common course idiom): the same weights and
     accuracy as fit on the two Subsets, and the validation loader reads its own indices only."""
@@ -96,6 +105,7 @@ def test_a_subset_random_sampler_trains_on_its_indices_as_a_subset_would(tmp_pat
            "of 16 per device (data.batch_size); brickyard shuffles and shards it" in log
 
 
+@pytest.mark.fast
 def test_a_weighted_random_sampler_draws_its_epoch_by_its_weights_and_resumes_exactly(tmp_path):
     """``num_samples`` a epoch, drawn by the weights (class 0 never), and the same weights whether the run
     goes on or stops after an epoch and resumes; a DistributedSampler trains as the plain Dataset does."""
@@ -137,6 +147,7 @@ class Odd(Sampler):
 
 @pytest.mark.parametrize("case", ["eval weighted", "short weights", "negative weight", "too many without replacement",
                                   "subset out of range", "own sampler", "huge epoch"])
+@pytest.mark.fast
 def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_path, case):
     x, y = _data()
     ds = Seen(x, y)
@@ -173,6 +184,7 @@ def test_a_sampler_brickyard_cannot_honour_is_one_sentence_and_makes_no_run(tmp_
     assert not (tmp_path / "r").exists() and not ds.read
 
 
+@pytest.mark.fast
 def test_a_random_sampler_with_replacement_draws_num_samples_an_epoch(tmp_path):
     x, y = _data()
     ds = Seen(x, y)
@@ -181,6 +193,7 @@ def test_a_random_sampler_with_replacement_draws_num_samples_an_epoch(tmp_path):
     assert s["steps"] == 3 and len(ds.read) == 40 and len(set(ds.read)) < 40
 
 
+@pytest.mark.fast
 def test_data_balance_draws_as_a_weighted_sampler_of_inverse_class_counts_does(tmp_path):
     """``data.balance`` on held tensors of a rare class: the same weights as a DataLoader whose
     WeightedRandomSampler weighs each sample 1 / its class's count (the usual hand-built balancing), and each
@@ -217,6 +230,7 @@ def test_data_balance_draws_as_a_weighted_sampler_of_inverse_class_counts_does(t
         assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 def test_two_draws_of_one_image_get_two_seeds_for_their_random_transforms():
     """An image folder's crops and flips come from a seed per key; in a drawn epoch the key is the draw's place
     in the epoch, so the copies of an image are augmented differently, and still alike on any world size."""
@@ -249,6 +263,7 @@ def test_data_balance_on_an_image_folder_from_the_cli(tmp_path):
            "(their images: 1 to 6)" in log
 
 
+@pytest.mark.fast
 def test_a_loaders_drop_last_leaves_out_the_last_partial_global_batch(tmp_path):
     """``DataLoader(drop_last=True)`` sets ``data.drop_last``: each epoch is its full global batches only, on any
     number of ranks, with the weights of the Dataset and that key; an evaluation loader's drop_last is said and

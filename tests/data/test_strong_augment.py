@@ -47,6 +47,7 @@ def _back(im: Image.Image) -> torch.Tensor:
     ("Solarize", lambda im: ImageOps.solarize(im, int(9 / 10 * 256))),
     ("Posterize", lambda im: ImageOps.posterize(im, int(9 / 10 * 4))),
 ])
+@pytest.mark.fast
 def test_pointwise_operations_are_pils_at_timms_magnitudes(name, pil):
     img = _images(1, h=16, w=16, seed=3)[0]
     img[:, 0, 0] = 0  # a full range, so autocontrast has something to stretch but not everything
@@ -54,6 +55,7 @@ def test_pointwise_operations_are_pils_at_timms_magnitudes(name, pil):
     assert torch.equal(_one(name, img), _back(pil(_pil(img))))
 
 
+@pytest.mark.fast
 def test_translate_by_a_whole_number_of_pixels_moves_the_image_and_fills_with_the_mean():
     img = _images(1, c=1, h=20, w=20, seed=4)[0]
     # TranslateXRel at magnitude m moves by 0.45 * m / 10 of the width: m = 10/0.45*0.1 -> 2 pixels
@@ -64,6 +66,7 @@ def test_translate_by_a_whole_number_of_pixels_moves_the_image_and_fills_with_th
     assert torch.allclose(out[:, :, -2:], torch.full_like(out[:, :, -2:], 0.25))
 
 
+@pytest.mark.fast
 def test_rand_augment_policies_parse_as_timm_and_bad_ones_say_which_part():
     assert rand_augment_policy("n2-m9") == (2, 9.0, 0.0)
     assert rand_augment_policy("rand-m9-mstd0.5") == (2, 9.0, 0.5)
@@ -84,6 +87,7 @@ def _prep(**strong):
 
 @pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("name", randaugment.OPS)
+@pytest.mark.fast
 def test_every_operation_keeps_shape_and_range_grey_and_colour(name, channels):
     x = _images(4, c=channels, seed=9).float() / 255
     out = randaugment.FUNCTIONS[name](x.clone(), torch.tensor([9.0, 3.0, 10.0, 0.0]), torch.tensor([1.0, -1.0, 1.0, -1.0]),
@@ -93,6 +97,7 @@ def test_every_operation_keeps_shape_and_range_grey_and_colour(name, channels):
 
 @pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("strong", [dict(rand_augment="n2-m9"), dict(erasing=0.5), dict(rand_augment="rand-m9-mstd0.5", erasing=0.5)])
+@pytest.mark.fast
 def test_per_image_augmentation_draws_for_the_global_batch(strong, channels):
     """Two ranks' halves, prepared apart, are the whole batch prepared at once; the same step draws the same."""
     x = _images(9, c=channels, seed=5)
@@ -106,6 +111,7 @@ def test_per_image_augmentation_draws_for_the_global_batch(strong, channels):
     assert not torch.equal(whole, plain)  # it did something
 
 
+@pytest.mark.fast
 def test_random_erasing_puts_one_noise_rectangle_of_2_to_33_percent_in_each_chosen_image():
     x = torch.zeros(64, 1, 28, 28)
     gen = torch.Generator()
@@ -135,6 +141,7 @@ def _mixed(mixup, cutmix, n=8, seed=0):
 
 
 @pytest.mark.parametrize("seed", range(5))
+@pytest.mark.fast
 def test_mixup_blends_each_image_with_its_mirror_in_the_batch_and_the_targets_with_it(seed):
     x, y, (mx, my) = _mixed(0.4, 0.0, seed=seed)
     lam = float(mx[0, 0, 0, 0] - 7) / (0 - 7)  # image 0 mixed with image 7
@@ -145,6 +152,7 @@ def test_mixup_blends_each_image_with_its_mirror_in_the_batch_and_the_targets_wi
 
 
 @pytest.mark.parametrize("seed", range(5))
+@pytest.mark.fast
 def test_cutmix_pastes_one_box_and_the_label_share_is_the_pixel_share(seed):
     x, y, (mx, my) = _mixed(0.0, 1.0, seed=seed)
     pasted = (mx != x).float().mean((1, 2, 3))  # images 0..7 take pixels of 7..0, which differ
@@ -154,6 +162,7 @@ def test_cutmix_pastes_one_box_and_the_label_share_is_the_pixel_share(seed):
     assert len(set(pasted.tolist())) == 1 and 0 < pasted[0] < 1  # one box for the batch (timm's batch mode)
 
 
+@pytest.mark.fast
 def test_both_switch_between_mixup_and_cutmix_and_smoothing_is_timms():
     kinds = set()
     for seed in range(20):
@@ -171,6 +180,7 @@ def test_both_switch_between_mixup_and_cutmix_and_smoothing_is_timms():
     assert torch.allclose(F.cross_entropy(logits, mixed, label_smoothing=eps), timm_loss, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_drop_path_drops_whole_samples_draws_for_the_global_batch_and_is_off_in_evaluation():
     layer = droppath.DropPath(0.5, index=3).train()
     x = torch.ones(10, 4)
@@ -229,6 +239,7 @@ def test_every_strong_augmentation_trains_the_same_on_one_and_two_processes_and_
     assert summary["steps"] == 6 and 0 <= summary["test_accuracy"] <= 1
 
 
+@pytest.mark.fast
 def test_model_init_sets_every_conv_and_linear_layer():
     torch.manual_seed(0)
     net = models.initialise(models.create("lenet", 10, 1, (28, 28)), "normal:0.01")
@@ -274,6 +285,7 @@ def test_freeze_all_but_the_last_n_layers(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: finetune.freeze: 'all_but_last:9'") and not (tmp_path / "bad").exists()
 
 
+@pytest.mark.fast
 def test_mixup_works_on_any_inputs_and_the_image_augmentations_say_they_need_images(tmp_path):
     from brickyard.errors import BrickyardError
     g = torch.Generator().manual_seed(0)

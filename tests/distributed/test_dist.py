@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from brickyard import api
-from brickyard.training import checkpoint
-from brickyard.distributed import process as dist
 from brickyard.config import load_config
+from brickyard.distributed import process as dist
+from brickyard.training import checkpoint
 from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
 
 PARITY = SYNTH + ["train.deterministic=true", "train.max_steps=20", "train.epochs=10", "optim.name=momentum",
@@ -59,7 +59,8 @@ def test_kill_a_worker_and_the_run_completes(tmp_path):
     args = ["train", "mnist", *sets(*SYNTH, "train.epochs=12", "data.synthetic.num_train=2048", "train.log_every=1",
                                      "checkpoint.every_steps=10", "train.threads=1", "model.name=lenet"),
             "--devices", "cpu:2", "--max-restarts", "1", "--run-dir", str(run)]
-    import subprocess, sys
+    import subprocess
+    import sys
     proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log1 = run / "logs" / "workerlog.1"
     metrics = run / "metrics.jsonl"
@@ -105,6 +106,7 @@ def test_port_in_use_is_one_sentence(tmp_path):
     assert r.returncode == 2 and f"port {port} is already in use" in r.stderr
 
 
+@pytest.mark.fast
 def test_env_contract():
     from brickyard.distributed.process import from_env
     info = from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
@@ -171,7 +173,8 @@ def test_a_node_that_never_joins_is_named_in_one_sentence_after_the_timeout(tmp_
 
 
 def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     args = ["train", "mnist", *sets(*PARITY, "train.max_steps=0", "train.epochs=40", "train.log_every=1"), "--devices", "cpu:2"]
     reference = run_cli(*args, "--run-dir", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr
@@ -200,7 +203,8 @@ def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_resume_is_exact(
 
 
 def test_sigterm_to_the_launcher_is_one_line_and_a_checkpoint(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     run = tmp_path / "run"
     args = ["train", "mnist", *sets(*SYNTH, "train.epochs=200", "train.log_every=1"), "--devices", "cpu:2", "--run-dir", str(run)]
     proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -244,9 +248,11 @@ def test_under_a_torchrun_the_user_started_rank_0_says_what_rank_1_met(tmp_path)
     assert "a collective lost a peer" in rank0 and "the cause, left by rank 1: " in rank0  # both, in rank 0's log
 
 
+@pytest.mark.fast
 def test_the_launcher_says_the_cause_before_what_followed_from_it():
     """``errorfile.cause`` on torchrun's failures as its agent reads them back (``ProcessFailure``)."""
     from types import SimpleNamespace
+
     from brickyard.distributed import errorfile
 
     def failure(message, rank, follows, when, code=2):
@@ -270,11 +276,13 @@ def test_the_launcher_says_the_cause_before_what_followed_from_it():
     assert not errorfile.launcher_says({errorfile.ERROR_FILE: "/tmp/e.json"})  # a torchrun the user started
 
 
+@pytest.mark.fast
 def test_a_cause_left_in_the_store_is_read_only_in_brickyards_form(tmp_path):
     """What ranks leave in the job's store and read back (a real TCPStore on loopback). A value anyone on the
     network could have written elsewhere is never read: the key holds the run's token. A malformed value at
     that key, one from this rank itself, or a code outside 1-255 is no cause."""
     from datetime import timedelta
+
     from brickyard.errors import CollectiveError, DataError
     from brickyard.training.loop import Interrupted, _leave_cause
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5),
@@ -303,7 +311,8 @@ def test_a_cause_left_in_the_store_is_read_only_in_brickyards_form(tmp_path):
 
 
 def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     run = tmp_path / "run"
     args = ["train", "mnist", *sets(*SYNTH, "train.epochs=50", "train.log_every=1", "dist.timeout_s=4"),
             "--devices", "cpu:2", "--run-dir", str(run)]
@@ -333,7 +342,8 @@ def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
 
 
 def test_runs_under_an_external_torchrun(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     run = tmp_path / "ext"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                         "-m", "brickyard", "train", "mnist", *sets(*SYNTH, "train.epochs=1"), "--run-dir", str(run)],
@@ -348,11 +358,13 @@ def test_runs_under_an_external_torchrun(tmp_path):
     ("gpu5,node[9-10]", ["gpu5", "node9", "node10"]),
     ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
     ("login-a", ["login-a"])])
+@pytest.mark.fast
 def test_slurm_node_lists_expand_as_slurm_writes_them(nodelist, hosts):
     from brickyard.distributed.slurm import slurm_hosts
     assert slurm_hosts(nodelist) == hosts
 
 
+@pytest.mark.fast
 def test_slurm_environment_gives_rank_world_local_and_master():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
            "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_NODELIST": "node[07-10]", "SLURM_JOB_ID": "123456"}
@@ -407,6 +419,7 @@ def test_a_broken_launcher_environment_is_one_sentence_on_every_rank(env, words,
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.fast
 def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     """The launcher gave up on a master that never answered and exited while the roll call's own
     connection attempt was timing out: the C++ exception met the interpreter's exit and the process
@@ -416,8 +429,9 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     retries with backoff.)"""
     import threading
     from types import SimpleNamespace
-    from conftest import free_port as _free_port
+
     from brickyard.launch.nodes import RollCall
+    from conftest import free_port as _free_port
     roll = RollCall(SimpleNamespace(master=f"127.0.0.1:{_free_port()}", node_rank=1, timeout_s=60, nnodes=2))
     time.sleep(1.5)  # inside a connection attempt to a master that is not there
     start = time.monotonic()

@@ -13,9 +13,8 @@ import torch
 from brickyard.api import build_model
 from brickyard.config import build, load_config
 from brickyard.data import build_data
-from brickyard.training import memory
 from brickyard.errors import ConfigError
-from brickyard.training import checkpoint
+from brickyard.training import checkpoint, memory
 from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
 
 BASE = SYNTH + ["train.deterministic=true", "train.epochs=10", "optim.name=momentum", "schedule.name=constant",
@@ -125,6 +124,7 @@ def test_fsdp_in_bf16_gathers_bf16_weights_and_trains_as_ddp_under_autocast(tmp_
     (["boost.snapshots.enabled=true"], "dist.strategy: fsdp does not combine with boost"),
     (["train.watch=[fc1]"], "dist.strategy: fsdp does not combine with train.watch"),
 ])
+@pytest.mark.fast
 def test_what_fsdp_does_not_combine_with_is_one_sentence(extra, message):
     from brickyard.config import load_config
     with pytest.raises(ConfigError, match=message):
@@ -139,6 +139,7 @@ def test_a_block_pattern_that_matches_nothing_is_refused_before_anything_is_writ
     assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "checkpoints").exists()
 
 
+@pytest.mark.fast
 def test_fsdp_keys_are_in_the_schema():
     cfg = build({"dist": {"strategy": "fsdp", "fsdp": {"blocks": ["layer?.*"], "offload": True}}})
     assert cfg.dist.fsdp.blocks == ("layer?.*",) and cfg.dist.fsdp.offload

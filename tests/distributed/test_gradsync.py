@@ -112,6 +112,7 @@ class _Work:
         self.waited = True
 
 
+@pytest.mark.fast
 def test_spin_wait_stays_awake_only_up_to_its_limit():
     quick = _Work(0.002)
     t0 = time.perf_counter()
@@ -127,9 +128,10 @@ def test_processes_that_share_cores_do_not_spin(tmp_path):
     import dataclasses
 
     import torch.distributed as tdist
+
+    from brickyard.config import load_config
     from brickyard.training import device as dev
     from brickyard.training.ways.collective import grad_sync
-    from brickyard.config import load_config
     cfg = load_config("mnist", ["train.precision=fp32"])
     threads = torch.get_num_threads()
     try:  # more processes than CPUs: no slices to pin to, and nobody has cores of their own

@@ -3,10 +3,13 @@ authentication. Real TCPStores on loopback; one process plays every rank."""
 import datetime
 import socket
 
+import pytest
 import torch.distributed as tdist
 
 from brickyard.distributed import process
 from brickyard.distributed.env import DistInfo
+
+pytestmark = pytest.mark.fast  # in-process: no subprocess, no process group
 
 
 def _store():

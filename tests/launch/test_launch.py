@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from brickyard.training import checkpoint
 from conftest import ACROSS_ORDERS
 
@@ -87,8 +89,10 @@ def test_a_failing_rank_comes_back_with_its_traceback(tmp_path):
     assert "Traceback" not in r.stderr  # torch's own dump of the same failure is not repeated
 
 
+@pytest.mark.fast
 def test_bad_devices_are_one_sentence(tmp_path):
     import pytest
+
     import brickyard
     from brickyard.errors import BrickyardError
     with pytest.raises(BrickyardError, match="expected cpu:N with N >= 1"):

@@ -15,8 +15,8 @@ import pytest
 
 import netns
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.config import load_config
+from brickyard.training import checkpoint
 from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
 
 REASON = netns.unavailable()
@@ -173,7 +173,7 @@ def test_a_killed_node_returns_and_the_job_ends_as_if_nothing_happened(hosts, tm
     assert first.poll() is None
     time.sleep(2)
     back = _node(h, 1, run, 2, restarts, config=steps)  # the node returns
-    (rc0, out0, err0), (rc1, _, err1) = h.wait(first), h.wait(back)
+    (rc0, _, err0), (rc1, _, err1) = h.wait(first), h.wait(back)
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert "torchrun restarts the group (1 restart(s) left)" in err0 and "Traceback" not in err0 + err1
     log0 = (run / "logs-node0" / "workerlog.0").read_text()
@@ -253,10 +253,12 @@ def test_bench_scales_across_two_hosts_with_waiting_and_communication_apart(host
     assert abs(ms["grad_sync"] - ms["rank_wait"] - ms["allreduce"]) < 0.05 * ms["total"] + 0.05
 
 
+@pytest.mark.fast
 def test_one_machine_lets_torchrun_pick_the_port():
     """No port is chosen here and handed to torchrun later (another process could take it in between):
     torchrun's store binds port 0 itself; an explicit --master keeps its port."""
     from types import SimpleNamespace as NS
+
     from brickyard.launch.torchrun import torchrun_argv
     argv = torchrun_argv(NS(nproc=2, max_restarts=0, nnodes=1, master=None))
     assert "--standalone" in argv and not [a for a in argv if a.startswith("--rdzv-endpoint")]

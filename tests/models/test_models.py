@@ -5,7 +5,11 @@ from brickyard import models
 from brickyard.errors import ConfigError
 
 
-@pytest.mark.parametrize("name", models.names())
+# the models whose step takes seconds on a CPU core (vit_small 9 s, vgg16 8 s, resnet50 6 s) stay out of the fast tier
+SLOW_STEP = ("resnet18", "resnet18_imagenet", "resnet50", "vgg16", "vit_tiny", "vit_small")
+
+
+@pytest.mark.parametrize("name", [n if n in SLOW_STEP else pytest.param(n, marks=pytest.mark.fast) for n in models.names()])
 def test_every_registered_model_trains_one_step(name):
     big = name in ("resnet50", "vgg16", "resnet18_imagenet")
     size = (32, 32) if big or name == "resnet18" else (28, 28)
@@ -22,6 +26,7 @@ def test_every_registered_model_trains_one_step(name):
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+@pytest.mark.fast
 def test_course_network_layout():
     m = models.create("mnist_cnn")
     convs = [l for l in m if isinstance(l, torch.nn.Conv2d)]
@@ -31,6 +36,7 @@ def test_course_network_layout():
     assert [n for n, _ in m.named_children()] == ["conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc"]
 
 
+@pytest.mark.fast
 def test_the_fashion_net_reads_its_last_map_whole_without_a_copy():
     """fashion_fast's linear layer reads all 7 x 7 x 128 positions; the flatten is a view of a channels-last
     map (nn.Flatten copies it), and holds the same values as nn.Flatten's in another order."""
@@ -50,6 +56,7 @@ def test_torchvision_key_names():
     assert {"features.0.weight", "classifier.6.bias"} <= set(models.create("vgg16", 1000, 3, (224, 224)).state_dict())
 
 
+@pytest.mark.fast
 def test_unknown_model():
     with pytest.raises(ConfigError, match="model.name: 'resnet7' is not one of"):
         models.create("resnet7")

@@ -16,8 +16,6 @@ from brickyard.models import pretrained
 from conftest import SYNTH, run_cli, sets
 
 
-
-
 def _publish(www, monkeypatch, url, state: dict, corrupt: bool = False) -> str:
     """Serve ``state`` as torchvision names its resnet18 file; returns the file name."""
     tmp = www / "tmp.pth"
@@ -57,6 +55,7 @@ def test_weights_by_name_are_fetched_checked_cached_and_trained_from(http_folder
     assert f"place it as {cache_dir / 'weights' / 'resnet18-f37072fd.pth'}" in r.stderr and not (tmp_path / "cli").exists()
 
 
+@pytest.mark.fast
 def test_a_file_that_fails_the_hash_check_is_one_sentence_and_not_kept(http_folder, cache_dir, monkeypatch):
     www, url = http_folder
     name = _publish(www, monkeypatch, url, {"w": torch.ones(1000)}, corrupt=True)
@@ -65,6 +64,7 @@ def test_a_file_that_fails_the_hash_check_is_one_sentence_and_not_kept(http_fold
     assert not (cache_dir / "weights" / name).exists()
 
 
+@pytest.mark.fast
 def test_an_unknown_name_or_the_wrong_model_is_one_sentence(tmp_path):
     with pytest.raises(CheckpointError, match="names no published weights; known: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16"):
         pretrained.fetch("torchvision:resnet1000")

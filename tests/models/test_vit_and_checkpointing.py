@@ -10,8 +10,8 @@ from brickyard import api, models
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
 from brickyard.models.vit import auto_patch
-from brickyard.training import memory
 from brickyard.training import activation_checkpointing as ac
+from brickyard.training import memory
 
 
 @pytest.mark.parametrize("size, patch", [((28, 28), 4), ((32, 32), 4), ((64, 64), 8), ((224, 224), 16)])
@@ -58,6 +58,7 @@ def test_checkpointing_keeps_the_gradients_and_statistics_and_saves_activations(
     assert kept < full / 2, (kept, full)
 
 
+@pytest.mark.fast
 def test_patterns_name_modules_and_a_pattern_that_matches_nothing_is_one_sentence():
     m = models.create("vit_tiny", 10, 1, (28, 28))
     assert ac.apply(copy.deepcopy(m), ["blocks.1", "blocks.1.*"]) == ["blocks.1"]  # the inner ones are inside it

@@ -27,6 +27,7 @@ def _smooth(n, c, size, seed=0):
 
 
 @pytest.mark.parametrize("channels, kernel, out", [(1, 3, 16), (3, 3, 64), (3, 5, 20)])
+@pytest.mark.fast
 def test_the_filters_give_the_convolution_uncorrelated_unit_variance_outputs(channels, kernel, out):
     """Convolving with the filters (the weight's own C x kh x kw layout) decorrelates what they read: the
     first half's outputs have the identity as covariance (up to eps), the second half is their negative."""
@@ -42,6 +43,7 @@ def test_the_filters_give_the_convolution_uncorrelated_unit_variance_outputs(cha
     assert torch.allclose(cov, torch.diag(eig / (eig + whitening.EPS)), atol=2e-3)  # whitened, less eps's share
 
 
+@pytest.mark.fast
 def test_on_large_images_patches_are_strided_and_the_estimate_holds(monkeypatch):
     x = _smooth(8, 3, 64, seed=1)
     full = whitening.patch_covariance(x, (7, 7))
@@ -97,6 +99,7 @@ def test_what_cannot_be_whitened_is_one_sentence_and_writes_nothing(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.fast
 def test_fit_whitens_a_users_model_on_float_tensors(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
@@ -131,6 +134,7 @@ def test_an_image_folder_is_whitened_from_its_first_images_with_the_same_draws_e
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.fast
 def test_stranger_floats_are_one_sentence_and_big_images_are_read_in_part(tmp_path):
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
     x, y = torch.rand(16, 1, 8, 8), torch.arange(16) % 2

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.config import load_config
 from brickyard.errors import BrickyardError, ConfigError
 from brickyard.observe.metrics import EvalAccumulator, fit_hint
 from brickyard.optim import param_groups
+from brickyard.training import checkpoint
 from conftest import SYNTH, run_cli, sets
 
 CNN = SYNTH + ["model.name=mnist_cnn"]
@@ -26,6 +26,7 @@ def trained(tmp_path_factory):
     return run
 
 
+@pytest.mark.fast
 def test_accumulator_matches_a_direct_computation():
     torch.manual_seed(0)
     logits, y = torch.randn(50, 7), torch.randint(0, 7, (50,))
@@ -119,6 +120,7 @@ class Boom(nn.Module):
         return x * float("inf") if self.calls > self.after else x
 
 
+@pytest.mark.fast
 def test_nan_guard_names_the_layer_and_keeps_the_last_good_checkpoint(tmp_path):
     torch.manual_seed(0)
     x, y = torch.randn(256, 1, 4, 4), torch.randint(0, 2, (256,))
@@ -161,6 +163,7 @@ class Refused(nn.Module):
      "train.deterministic on cpu needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the process starts "
      "(`brickyard train` sets it; set it yourself when calling brickyard from Python)."),
 ])
+@pytest.mark.fast
 def test_deterministic_refusals_are_one_sentence(message, sentence, tmp_path):
     x, y = torch.randn(64, 1, 4, 4), torch.randint(0, 2, (64,))
     model = nn.Sequential(nn.Flatten(), Refused(message), nn.Linear(16, 2))
@@ -174,6 +177,7 @@ def test_deterministic_refusals_are_one_sentence(message, sentence, tmp_path):
     assert sentence in (tmp_path / "r" / "train.log").read_text()
 
 
+@pytest.mark.fast
 def test_the_launcher_sets_the_cublas_workspace_for_deterministic_runs(monkeypatch):
     from brickyard.launch import torchrun as launch
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -183,6 +187,7 @@ def test_the_launcher_sets_the_cublas_workspace_for_deterministic_runs(monkeypat
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
+@pytest.mark.fast
 def test_param_groups_rules():
     from brickyard.models import create
     m = create("mnist_cnn")
@@ -280,6 +285,7 @@ def test_predict_from_python(trained, monkeypatch):
                           atol=1e-5)  # read as files are (their own dtype path), not bit for bit
 
 
+@pytest.mark.fast
 def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):
     """A diverging loss (huge, inf, NaN), one point, no accuracy (a regression): pictures, no error."""
     from brickyard.observe.plots import _ticks, plot_runs
@@ -298,6 +304,7 @@ def test_plots_survive_what_runs_write_when_they_go_wrong(tmp_path):
     assert _ticks(0.0, 1.0, log=False) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
 
 
+@pytest.mark.fast
 def test_predict_in_a_callback_leaves_the_model_training():
     """A callback reading a layer's output with brickyard.predict(run.model, ...) mid-training: the
     model comes back in train mode, on its device, with its weights."""

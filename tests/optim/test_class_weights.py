@@ -28,6 +28,7 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
+@pytest.mark.fast
 def test_class_weight_is_kerass_weighted_loss_and_leaves_evaluation_unweighted(tmp_path):
     """``class_weight={2: 4.0}`` trains the weights of a loss_fn that writes Keras's formula out by hand
     (class_weight_to_sample_weights, then sum_over_batch_size); torch's own ``weight=`` would not (it divides by

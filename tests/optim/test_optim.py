@@ -51,6 +51,7 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.fast
 def test_same_updates_as_torch_optim(kind):
     theirs, ours = KINDS[kind]
     a, b = _model(), _model()
@@ -62,6 +63,7 @@ def test_same_updates_as_torch_optim(kind):
 
 
 @pytest.mark.parametrize("kind", ["nesterov", "adam"])
+@pytest.mark.fast
 def test_resumes_from_a_torch_optim_checkpoint_and_from_its_own(kind):
     """A checkpoint of torch.optim's optimiser (written by earlier brickyard versions) and one of ours,
     each loaded into a fresh optimiser, continue exactly as the uninterrupted run."""
@@ -83,6 +85,7 @@ def test_resumes_from_a_torch_optim_checkpoint_and_from_its_own(kind):
         assert _max_diff(straight, resumed) < 1e-6
 
 
+@pytest.mark.fast
 def test_a_checkpoint_of_other_parameter_groups_is_refused():
     opt = Adam([{"params": list(_model().parameters())}], lr=0.01)
     other = Adam([{"params": list(_model().parameters())[:2]}], lr=0.01)
@@ -105,6 +108,7 @@ def test_training_never_imports_dynamo(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["nesterov", "adam"])
+@pytest.mark.fast
 def test_a_group_added_later_trains_as_torch_optims_does(kind):
     """A callback that unfreezes layers adds a parameter group mid-run (the torch.optim call)."""
     theirs, ours = KINDS[kind]

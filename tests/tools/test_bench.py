@@ -1,6 +1,8 @@
 """`brickyard bench`: real steps, a step-time breakdown, scaling over device specs."""
 import json
 
+import pytest
+
 from conftest import BENCH, run_cli, sets
 
 
@@ -42,6 +44,7 @@ def test_bench_bad_spec_is_one_line():
     assert lines[0].count("error:") == 1, lines[0]  # the failed run's own "error: " is not repeated inside
 
 
+@pytest.mark.fast
 def test_superlinear_scaling_is_called_a_measurement_problem():
     from brickyard.tools.bench import scaling_table
     one = {"images_per_second": 1000.0, "world_size": 1, "verdict": "compute-bound"}
@@ -51,6 +54,7 @@ def test_superlinear_scaling_is_called_a_measurement_problem():
     assert "warning" not in scaling_table([("cpu", one), ("cpu:2", dict(two, images_per_second=1800.0))])[0]
 
 
+@pytest.mark.fast
 def test_rounds_pair_the_runs_and_take_the_median_ratio():
     from brickyard.tools.bench import paired, scaling_table
     one, two = {"world_size": 1, "verdict": "v"}, {"world_size": 2, "verdict": "v"}

@@ -125,6 +125,7 @@ def test_registry_models_export_to_onnx_and_run_in_onnxruntime(name, size):
     code paths and were checked once by hand: docs/training.md); vgg16 with its one-linear head here
     (its 4096-unit classifier is 500 MB of ONNX)."""
     import torch
+
     from brickyard import models
     from brickyard.tools.export import Normalised, _check_onnx, _onnx_bytes
     channels = models.natural_input(name)[0]

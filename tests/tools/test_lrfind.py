@@ -12,6 +12,7 @@ from conftest import SYNTH, run_cli, sets
 FIND = [s for s in SYNTH if not s.startswith("data.batch_size")] + ["data.global_batch_size=64", "train.deterministic=true"]
 
 
+@pytest.mark.fast
 def test_the_suggestion_is_the_steepest_fall_against_log_lr_past_the_first_points():
     lrs = [10 ** (-6 + i * 0.1) for i in range(50)]
     losses = [2.3] * 20 + [2.3 - 0.01 * i for i in range(10)] + [2.2 - 0.2 * i for i in range(5)] + [1.4 + 0.3 * i for i in range(15)]

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from brickyard.training import memory
 from brickyard.api import build_model
 from brickyard.config import load_config
 from brickyard.data import build_data
 from brickyard.errors import BrickyardError
+from brickyard.training import memory
 from conftest import SYNTH, needs_mnist, run_cli
 
 
@@ -17,12 +17,14 @@ def _est(*overrides):
 
 
 @pytest.mark.parametrize("opt, copies", [("sgd", 0), ("momentum", 1), ("nesterov", 1), ("adagrad", 1), ("adadelta", 2), ("adam", 2), ("adamw", 2)])
+@pytest.mark.fast
 def test_optimizer_state_copies(opt, copies):
     est, _, _ = _est(f"optim.name={opt}")
     assert est["optimizer_copies"] == copies and est["optimizer_state"] == copies * est["gradients"]
     assert est["gradients"] == est["parameters"] > 0
 
 
+@pytest.mark.fast
 def test_activations_extrapolate_linearly_and_batch_limit():
     est, cfg, data = _est("data.batch_size=16")
     model = build_model(cfg, data).to(memory_format=torch.channels_last)
@@ -72,12 +74,14 @@ def test_per_rank_estimates_for_ddp_fsdp_offload_and_checkpointing():
     assert "fsdp + offload (GPU) + activation checkpointing" in r.stdout
 
 
+@pytest.mark.fast
 def test_parse_size():
     assert memory.parse_size("16GiB") == 16 * 2**30 and memory.parse_size("512 MB") == 512e6
     with pytest.raises(BrickyardError):
         memory.parse_size("12 parsecs")
 
 
+@pytest.mark.fast
 def test_batch_size_auto_is_chosen_and_recorded(tmp_path):
     from brickyard import api
     s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1"]), tmp_path / "r")
@@ -88,6 +92,7 @@ def test_batch_size_auto_is_chosen_and_recorded(tmp_path):
         load_config("mnist", ["data.batch_size=huge"])
 
 
+@pytest.mark.fast
 def test_batch_size_auto_on_a_cpu_keeps_an_epoch_of_steps(tmp_path):
     from brickyard import api
     s = api.train_config(load_config("mnist", SYNTH + ["data.batch_size=auto", "train.epochs=1",

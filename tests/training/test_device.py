@@ -37,6 +37,7 @@ def test_tuned_allocator_stops_page_faults_in_training_steps():
     assert tuned * 5 < default, (tuned, default)
 
 
+@pytest.mark.fast
 def test_compile_auto_compiles_only_where_it_can_pay():
     """train.compile: auto: CUDA, a model of 5M parameters or more, 15,000 steps or more; never a CPU."""
     import torch

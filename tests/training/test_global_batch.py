@@ -7,9 +7,9 @@ import json
 import pytest
 
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
+from brickyard.training import checkpoint
 from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
 
 SAME = [s for s in SYNTH if not s.startswith("data.batch_size")] + [
@@ -122,6 +122,7 @@ def test_eval_limit_reads_the_same_first_images_on_any_world_size_and_says_so(on
     assert whole["test_images"] == 128 and "eval_limit" not in whole
 
 
+@pytest.mark.fast
 def test_the_last_line_says_what_the_test_accuracy_is_of(capsys):
     from brickyard.observe.runlog import print_result
     base = {"run_dir": "r", "steps": 2, "train_seconds": 1.0, "images_per_second": 10.0, "device": "cpu"}

@@ -31,6 +31,7 @@ def _model():
                                                  (0.010, 0.015, "fp32"),   # bf16 slower (the Intel Xeon without AMX)
                                                  (0.010, 0.0095, "fp32"),  # 5% faster: within the margin, fp32 wins
                                                  (0.010, 0.0089, "bf16")])  # 11% faster: past it
+@pytest.mark.fast
 def test_the_faster_precision_is_chosen_past_the_margin(tmp_path, fp32, bf16, chosen):
     r = precision.choose(_model(), (1, 8, 8), 16, torch.device("cpu"), 1, True, clock=FakeClock(fp32, bf16),
                          cache=tmp_path / "p.json")
@@ -39,6 +40,7 @@ def test_the_faster_precision_is_chosen_past_the_margin(tmp_path, fp32, bf16, ch
     assert f"fp32 {fp32 * 1e3:.1f} ms/step, bf16 {bf16 * 1e3:.1f} ms/step" in r["how"]
 
 
+@pytest.mark.fast
 def test_the_answer_is_cached_per_cpu_torch_and_model(tmp_path):
     cache = tmp_path / "p.json"
     first = precision.choose(_model(), (1, 8, 8), 16, torch.device("cpu"), 1, True, clock=FakeClock(0.01, 0.005), cache=cache)
@@ -56,6 +58,7 @@ def test_the_answer_is_cached_per_cpu_torch_and_model(tmp_path):
 @pytest.mark.parametrize("record", [{"chosen": "bf16"}, {"chosen": "bf16", "fp32_ms": "abc", "bf16_ms": 1, "cpu": "x"},
                                     {"chosen": "bf16", "fp32_ms": float("nan"), "bf16_ms": 1.0, "cpu": "x"},
                                     {"chosen": "bf16", "fp32_ms": 2.0, "bf16_ms": 1.0, "cpu": 7}])
+@pytest.mark.fast
 def test_a_cached_record_missing_a_figure_is_measured_again(tmp_path, record):
     """The cache is a file anyone could have edited: a record without its figures crashed the log line (KeyError)."""
     cache = tmp_path / "p.json"
@@ -66,6 +69,7 @@ def test_a_cached_record_missing_a_figure_is_measured_again(tmp_path, record):
     assert r["chosen"] == "fp32" and not r["cached"]
 
 
+@pytest.mark.fast
 def test_forcing_and_other_devices_are_not_measured(monkeypatch):
     cpu = torch.device("cpu")
     for forced in ("0", "1"):
@@ -91,6 +95,7 @@ def test_a_run_says_what_it_measured_and_records_it(tmp_path):
     assert f"precision {m['chosen']} (auto: measured: fp32 " in first
 
 
+@pytest.mark.fast
 def test_eval_and_the_memory_report_take_the_precision_the_run_trained_in(tmp_path, monkeypatch):
     """A CPU with native bf16 where fp32 measured faster (the Intel Xeon without AMX), forced on any CPU: the
     run trains in fp32, and `brickyard eval` scores it in fp32 too (its figures are the run's own, to the

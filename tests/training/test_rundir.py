@@ -19,6 +19,7 @@ from brickyard.training import checkpoint
 from brickyard.training.rundir import repair_metrics
 from conftest import SYNTH, have_mnist, run_cli, sets
 
+
 def files_of(folder: Path) -> dict:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and not p.is_symlink()}
 
@@ -195,6 +196,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_good_one(tmp_pa
     assert all(isinstance(json.loads(x), dict) for x in rows)
 
 
+@pytest.mark.fast
 def test_repair_metrics_keeps_what_came_before_the_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "start", "step": 0}\n{"kind": "train", "step": 5}\n[1]\n{"kind": "train", "step": 10}\n'

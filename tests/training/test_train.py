@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from brickyard import api
-from brickyard.training import checkpoint
 from brickyard.config import load_config
 from brickyard.errors import CheckpointError, DeviceError
 from brickyard.files import write_torch
+from brickyard.training import checkpoint
 from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
 
 DETERMINISTIC = SYNTH + ["train.deterministic=true", "train.epochs=3", "train.log_every=1",
@@ -29,6 +29,7 @@ def _same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.fast
 def test_run_writes_every_file(tmp_path):
     run = tmp_path / "run"
     summary = api.train_config(load_config("mnist", SYNTH + ["train.epochs=2"]), run)
@@ -49,6 +50,7 @@ def test_run_writes_every_file(tmp_path):
     assert summary["test_accuracy"] == saved["test_accuracy"]
 
 
+@pytest.mark.fast
 def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path):
     cfg = load_config("mnist", DETERMINISTIC + ["checkpoint.every_steps=5", "checkpoint.keep_last=100"])
     api.train_config(cfg, tmp_path / "full")
@@ -119,6 +121,7 @@ def test_checkpoints_cannot_run_code(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.fast
 def test_a_file_torch_save_did_not_write_is_named(tmp_path):
     good = tmp_path / "good.pt"
     write_torch({"model": {"w": torch.ones(1000)}}, good)
@@ -131,6 +134,7 @@ def test_a_file_torch_save_did_not_write_is_named(tmp_path):
     assert checkpoint.load(good)["model"]["w"].sum() == 1000
 
 
+@pytest.mark.fast
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):
     path = tmp_path / "step-0000001.pt"
     write_torch({"model": {"w": torch.ones(2)}}, path)
@@ -146,6 +150,7 @@ def test_atomic_save_leaves_old_file_on_failure(tmp_path):
 
 @pytest.mark.parametrize("opt, sched", [("sgd", "step"), ("adagrad", "cosine"), ("adadelta", "constant"),
                                         ("adam", "warmup_linear"), ("adamw", "onecycle"), ("nesterov", "cosine")])
+@pytest.mark.fast
 def test_optimisers_and_schedules_learn(tmp_path, opt, sched):
     lr = {"adadelta": 1.0, "adam": 0.002, "adamw": 0.002, "adagrad": 0.02}.get(opt, 0.05)
     s = api.train_config(load_config("mnist", SYNTH + [f"optim.name={opt}", f"schedule.name={sched}", f"optim.lr={lr}",
@@ -154,6 +159,7 @@ def test_optimisers_and_schedules_learn(tmp_path, opt, sched):
     assert s["test_accuracy"] > 0.5
 
 
+@pytest.mark.fast
 def test_grad_accumulation_matches_big_batch(tmp_path):
     base = SYNTH + ["train.deterministic=true", "train.epochs=1", "optim.weight_decay=0", "optim.name=sgd", "schedule.name=constant"]
     api.train_config(load_config("mnist", base + ["data.batch_size=64"]), tmp_path / "big")
@@ -162,9 +168,10 @@ def test_grad_accumulation_matches_big_batch(tmp_path):
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=ACROSS_ORDERS) for k in a)
 
 
+@pytest.mark.fast
 def test_schedules_shape():
-    from brickyard.optim import Schedule
     from brickyard.config import ScheduleConfig
+    from brickyard.optim import Schedule
     s = Schedule(ScheduleConfig(name="warmup_linear", lr_init=0.01, warmup_epochs=1, lr_end=0.0), 0.1, 100, 10)
     assert s(0) == pytest.approx(0.01) and s(10) == pytest.approx(0.1) and s(100) == pytest.approx(0.0)
     st = Schedule(ScheduleConfig(name="step", step_epochs=2, gamma=0.5), 0.1, 100, 10)
@@ -173,6 +180,7 @@ def test_schedules_shape():
     assert oc(25) == pytest.approx(0.1) and oc(0) == pytest.approx(0.004) and oc(100) == pytest.approx(0.0)
 
 
+@pytest.mark.fast
 def test_devices_that_do_not_exist():
     from brickyard.training.device import resolve_device, resolve_precision
     if torch.cuda.is_available():
@@ -188,6 +196,7 @@ def test_devices_that_do_not_exist():
     assert resolve_device("auto").type == "cpu"
 
 
+@pytest.mark.fast
 def test_fit_with_user_model_and_tensors(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(256, 1, 8, 8)
@@ -200,12 +209,14 @@ def test_fit_with_user_model_and_tensors(tmp_path):
     assert summary["test_accuracy"] > 0.8 and (tmp_path / "fit" / "summary.json").is_file()
 
 
+@pytest.mark.fast
 def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     """keras.datasets.cifar10 gives 50000 x 32 x 32 x 3 uint8 and 50000 x 1 labels; fit reads them as
     N x C x H x W (a view), so a conv net, the crop-flip augmentation and predict see channels where torch
     puts them. The class is the bright channel: learnable only if the channels are read as channels.
     fp32, one process, seed 0."""
     import numpy as np
+
     import brickyard
     g = np.random.default_rng(0)
     y = g.integers(0, 3, (900, 1))
@@ -238,6 +249,7 @@ def test_fit_and_predict_take_keras_channels_last_arrays(tmp_path):
     assert not model_reads_channels_last(mlp, torch.zeros(2, 16, 16, 3)) and mlp.training
 
 
+@pytest.mark.fast
 def test_fit_takes_bytes_that_are_not_images_as_it_takes_their_floats(tmp_path):
     """N x F uint8 features (not images): scaled to [0, 1] as images' bytes are, so the same weights as x / 255.0;
     the images' 1 x C x 1 x 1 mean and std made this a RuntimeError in the batch's preparation. fp32, one thread."""
@@ -255,12 +267,14 @@ def test_fit_takes_bytes_that_are_not_images_as_it_takes_their_floats(tmp_path):
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
 
 
+@pytest.mark.fast
 def test_predict_reads_a_modules_inputs_as_fit_trained_it(tmp_path):
     """fit scales uint8 images to [0, 1]; predict on the module fed them as 0..255 floats, so a model with batch norm
     scored 75.5% through predict against fit's own 84.95% on the same MNIST images. Now bytes, 0..255 int64 images
     and x / 255.0 give the same probabilities, those of fit's test pass; token ids reach an embedding as integers, and
     a float64 model takes its inputs (a dtype error before). fp32, one thread, seed 0."""
     import numpy as np
+
     import brickyard
     g = np.random.default_rng(0)
     y = g.integers(0, 3, 400)
@@ -326,10 +340,12 @@ def test_fit_reads_numpys_dtypes_as_the_model_takes_them(tmp_path):
     assert s["test_accuracy"] > 0.9 and next(model.parameters()).dtype == torch.float64 and "read as" not in log
 
 
+@pytest.mark.fast
 def test_fit_holds_out_data_val_fraction_of_its_tensors_at_random_and_refuses_it_beside_val_data(tmp_path):
     """data.val_fraction for fit: a seeded random fifth of the tensors, kept in order, as an image folder's; samples
     sorted by class (where Keras's validation_split, the last fifth, would hold out one class) give both classes."""
     import numpy as np
+
     from brickyard.errors import DataError
     y = np.repeat([0, 1], 50)  # sorted by class
     x = np.arange(100, dtype=np.uint8).reshape(100, 1, 1).repeat(4, 1).repeat(4, 2)  # each image holds its index
@@ -352,11 +368,13 @@ def test_fit_holds_out_data_val_fraction_of_its_tensors_at_random_and_refuses_it
                 run_dir=tmp_path / "c")
 
 
+@pytest.mark.fast
 def test_fit_takes_keras_epochs_batch_size_and_validation_split(tmp_path):
     """``fit(model, (x, y), epochs=2, batch_size=32, validation_split=0.2)`` as a Keras user writes it (a TypeError
     before): the keywords set train.epochs, data.global_batch_size and data.val_fraction over the config, and a bad
     value is the config's own sentence."""
     import numpy as np
+
     from brickyard.errors import ConfigError
     x, y = np.random.default_rng(0).random((100, 4), dtype=np.float32), np.arange(100) % 3
     cfg = {"train": {"epochs": 9, "device": "cpu", "progress": "none", "plots": False, "tensorboard": False,
@@ -371,12 +389,14 @@ def test_fit_takes_keras_epochs_batch_size_and_validation_split(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.fast
 def test_fit_takes_keras_validation_data_validation_freq_and_verbose(tmp_path, capsys):
     """``validation_data=(x_val, y_val)`` is ``val_data``, ``validation_freq`` ``train.eval_every`` and ``verbose`` 0
     / 1 / 2 ``train.progress`` none / bar / plain, as Keras's ``fit`` takes them; ``fit(model, x, y)`` as Keras
     writes it, sample weights in the validation data, both names at once and a verbose Keras does not have are
     one sentence, before anything is written."""
     import numpy as np
+
     from brickyard.errors import ConfigError, DataError
     x, y = np.random.default_rng(0).random((100, 4), dtype=np.float32), np.arange(100) % 3
     cfg = {"train": {"device": "cpu", "plots": False, "tensorboard": False, "precision": "fp32", "threads": 1,
@@ -398,9 +418,11 @@ def test_fit_takes_keras_validation_data_validation_freq_and_verbose(tmp_path, c
         assert not (tmp_path / name).exists()
 
 
+@pytest.mark.fast
 def test_fit_keeps_the_classes_and_images_a_class_that_data_classes_and_train_per_class_name(tmp_path):
     """data.classes and data.train_per_class work on every data set held as tensors, fit's too (they were ignored)."""
     import numpy as np
+
     from brickyard.data import from_user
     from brickyard.errors import DataError
     g = np.random.default_rng(0)
@@ -414,6 +436,7 @@ def test_fit_keeps_the_classes_and_images_a_class_that_data_classes_and_train_pe
         from_user(torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), model=model, transforms=cfg.data)
 
 
+@pytest.mark.fast
 def test_fit_with_a_dataset(tmp_path):
     x = torch.randn(128, 1, 4, 4)
     y = (x.sum((1, 2, 3)) > 0).long()

@@ -21,10 +21,14 @@ class Columns(torch.nn.Module):
         return x.sum(dim=(1, 2))
 
 
-def _mean_probs(views, model=Columns()):
+COLUMNS = Columns()
+
+
+def _mean_probs(views, model=COLUMNS):
     return torch.log(torch.stack([torch.softmax(model(v), 1) for v in views]).mean(0))
 
 
+@pytest.mark.fast
 def test_flip_averages_the_probabilities_of_the_image_and_its_mirror():
     x = torch.randn(3, 1, 5, 6, generator=torch.Generator().manual_seed(0))
     got = tta_logits(Columns(), x, "flip", 1)
@@ -32,6 +36,7 @@ def test_flip_averages_the_probabilities_of_the_image_and_its_mirror():
     assert torch.allclose(got.exp().sum(1), torch.ones(3))  # probabilities: the cross-entropy reads them as logits
 
 
+@pytest.mark.fast
 def test_flip_shift_adds_both_moved_each_way_with_zeros_filled_in():
     x = torch.randn(2, 1, 5, 6, generator=torch.Generator().manual_seed(1))
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
@@ -41,6 +46,7 @@ def test_flip_shift_adds_both_moved_each_way_with_zeros_filled_in():
     assert torch.allclose(tta_logits(Columns(), x, "flip-shift", 0), _mean_probs([x, x.flip(3)]), atol=1e-6)
 
 
+@pytest.mark.fast
 def test_a_channels_last_batch_stays_channels_last_in_every_view():
     seen = []
 
@@ -53,6 +59,7 @@ def test_a_channels_last_batch_stays_channels_last_in_every_view():
     assert len(seen) == 10 and all(seen[2:])  # the moved views are copied in the batch's own layout
 
 
+@pytest.mark.fast
 def test_evaluation_scores_each_image_once_with_the_views_mean():
     g = torch.Generator().manual_seed(2)
     images, labels = torch.randint(0, 256, (23, 1, 4, 5), dtype=torch.uint8, generator=g), torch.randint(0, 5, (23,), generator=g)

@@ -90,7 +90,8 @@ def _cifar(args, cifar, idx) -> int:
 
 
 def _photos(args) -> int:
-    from brickyard.data.photos import make_photo_folder  # lazy: Pillow and numpy load for this command only (cli/main.py: start-up time)
+    # lazy: Pillow and numpy load for this command only (cli/main.py: start-up time)
+    from brickyard.data.photos import make_photo_folder
     if args.classes < 2 or min(args.per_class) < 1 or not 16 <= args.min_size <= args.max_size:
         raise BrickyardError("data make-photos: --classes must be at least 2, every --per-class count at least 1, "
                              "and 16 <= --min-size <= --max-size.")

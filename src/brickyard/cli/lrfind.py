@@ -5,10 +5,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from brickyard.launch import torchrun as launch
 from brickyard.config import load_config
 from brickyard.distributed import env as dist
 from brickyard.errors import BrickyardError
+from brickyard.launch import torchrun as launch
 
 
 def add(sub) -> None:

@@ -18,11 +18,9 @@ import signal
 import sys
 import time
 
-from brickyard.cli import bench, boost, data
+from brickyard.cli import bench, boost, data, export, inspect, lrfind, memory, models, plot, predict, presets, train
 from brickyard.cli import eval as eval_cmd
-from brickyard.cli import export, inspect, lrfind, memory, models, plot, predict, presets
 from brickyard.cli import run as run_cmd
-from brickyard.cli import train
 from brickyard.distributed import env as dist
 from brickyard.distributed import errorfile
 from brickyard.errors import BrickyardError

@@ -37,7 +37,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def shard(model: nn.Module, d, precision: str, device: torch.device) -> list[str]:
     """``fully_shard`` the blocks ``d.fsdp.blocks`` picks, then the root (``d`` is the config's ``dist``);
     returns the blocks' names. Call it before the optimiser is built: the parameters are replaced."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # start-up: see _loaded
+    # start-up: see _loaded
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     names = find_blocks(model, d.fsdp.blocks, "dist.fsdp.blocks")
     low = _DTYPES.get(precision)
     kwargs = {

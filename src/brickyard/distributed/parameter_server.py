@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from brickyard.distributed.flat import flat_grads
+from brickyard.distributed.flat import flat_grads, load_flat
 from brickyard.distributed.flat import flatten as _flat
-from brickyard.distributed.flat import load_flat
 from brickyard.errors import ConfigError
 from brickyard.optim import build_optimizer, set_lr
 from brickyard.optim.updates import Update

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+from brickyard.distributed import network
 from brickyard.distributed.env import DistInfo, from_env  # noqa: F401  (re-exported: dist.from_env())
 from brickyard.errors import JobEnvironmentError, RendezvousError
-from brickyard.distributed import network
 
 
 def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> bool:

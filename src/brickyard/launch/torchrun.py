@@ -34,7 +34,7 @@ class Job:
     timeout_s: int = 300
     min_nodes: int = 0        # 0: as many as nnodes (a fixed-size job)
 
-    def replace(self, **changes) -> "Job":
+    def replace(self, **changes) -> Job:
         return dataclasses.replace(self, **changes)
 
     @property
@@ -53,7 +53,7 @@ class Job:
         return 0 < self.min_nodes < self.nnodes
 
     @classmethod
-    def from_args(cls, args, timeout_s: int, devices: str | None = None) -> "Job":
+    def from_args(cls, args, timeout_s: int, devices: str | None = None) -> Job:
         """``--devices``, ``--nnodes``, ``--node-rank``, ``--master``, ``--max-restarts``, checked once."""
         nproc, device, visible = parse_devices(devices if devices is not None else getattr(args, "devices", None))
         min_nodes, nnodes = parse_nnodes(str(getattr(args, "nnodes", 1)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -161,7 +161,7 @@ def prepare(model: nn.Module, cfg, num_classes: int, log) -> nn.Module:
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
-        for name, m in model.named_modules():
+        for m in model.modules():
             own_params = list(m.parameters(recurse=False))
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and own_params and not any(p.requires_grad for p in own_params):
                 m.register_forward_pre_hook(_keep_eval)

@@ -34,8 +34,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from brickyard import models
-from brickyard.data import balance, build_data
-from brickyard.data import augment
+from brickyard.data import augment, balance, build_data
 from brickyard.data.loaders import device_batches, make_train_loader, step_batch
 from brickyard.distributed import gradsync
 from brickyard.distributed import process as dist

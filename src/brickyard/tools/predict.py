@@ -14,17 +14,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.data import _input_dtypes, layout
-from brickyard.data.bundle import Split
 from brickyard.data.augment import DevicePrep, float_dtype
+from brickyard.data.bundle import Split
 from brickyard.data.imagefolder import BAD_IMAGE, GREY, IMAGE_EXT, as_uint8, files_under, why_bad
+from brickyard.errors import BrickyardError, DataError, reason
 from brickyard.files import printable, write_atomic
 from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
-
 
 CHUNK = 256  # inputs through the model at once: a folder of thousands of photos is not one batch
 
