@@ -137,6 +137,15 @@ def test_sizes_may_differ_where_every_batch_is_one_item():
     assert data.train.dataset[1][0].shape == (1, 5, 4)
 
 
+@pytest.mark.fast
+def test_whole_numbers_among_float_labels_are_read_as_numbers():
+    """A regression's targets 0.5, 1, ... (a loss of the user's): not refused as a class index among numbers."""
+    data = from_user(Items(lambda i: (torch.zeros(1, 4, 4), 0.5 if i != 3 else 1), 4), own_loss=True)
+    assert isinstance(data.train.dataset[3][1], float) and data.train.dataset[3][1] == 1.0
+    data = from_user(Items(lambda i: (torch.zeros(1, 4, 4), 1 if i != 3 else 0.5), 4), num_classes=3, own_loss=True)
+    assert data.train.dataset[3][1] == 0.5
+
+
 @pytest.mark.parametrize("label", [np.int32, torch.int32], ids=str)
 def test_a_dataset_of_int32_labels_trains_as_held_int32_tensors_do(label, tmp_path):
     """The same weights as ``fit`` on held tensors of int32 labels; before, "expected scalar type Long"."""

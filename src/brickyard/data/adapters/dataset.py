@@ -50,7 +50,7 @@ class DatasetAdapter(Adapter):
         if self.images is not None:
             lo, hi = int(sample.min()), int(sample.max())
             reading.notes.append(f"{self.name}: {self.images.note(str(sample.dtype).replace('torch.', ''), lo, hi)} "
-                                 f"(as item 0's are)")
+                                 f"(by item 0's values)")
             sample = self.images(sample)
         return sample, as_label(label)
 
@@ -103,7 +103,8 @@ class DatasetAdapter(Adapter):
             self.split.collate.images = rule
             return
         form = Form.of(rule(sample) if rule is not None and _is_integer_image(sample) else sample, as_label(label))
-        self.split.dataset = Checked(self.split.dataset, self.name, form, rule, one_at_a_time(reading.config))
+        self.split.dataset = Checked(self.split.dataset, self.name, form, rule, one_at_a_time(reading.config),
+                                     reading.own_loss)
 
 
 def what(item) -> str:
@@ -173,10 +174,14 @@ class Form:
 class Checked(torch.utils.data.Dataset):
     """``data``'s items as the run reads them: each an ``(input, label)`` pair of item 0's ``form`` (its size may
     differ where ``sizes_vary``), NumPy inputs as tensors, integer images through ``images``, labels through
-    ``as_label``; anything else is one sentence naming the item. ``seeded`` and ``labels`` are ``data``'s."""
+    ``as_label``, whole numbers among numbers as floats (and numbers after a class index where ``numbers``: a loss
+    of the user's takes them); anything else is one sentence naming the item. ``seeded`` and ``labels`` are
+    ``data``'s."""
 
-    def __init__(self, data, name: str, form: Form, images: IntegerImages | None, sizes_vary: bool):
+    def __init__(self, data, name: str, form: Form, images: IntegerImages | None, sizes_vary: bool,
+                 numbers: bool = False):
         self.data, self.name, self.form, self.images, self.sizes_vary = data, name, form, images, sizes_vary
+        self.numbers = numbers  # a loss of the user's takes the labels: numbers may follow a class index
         self.seeded = getattr(data, "seeded", False)  # keys (index, seed): items.Pairs' through random transforms
 
     @property
@@ -203,6 +208,8 @@ class Checked(torch.utils.data.Dataset):
                             f"NumPy array, as item 0's ({self.form.inputs()}) is.")
         if self.images is not None and _is_integer_image(x):
             x = self._bytes(x, i) if self.images.bytes else self.images(x)
+        if _kind(x) == self.form.input and tuple(x.shape) == self.form.shape:
+            return x  # the usual case, without building a Form
         now = Form(_kind(x), tuple(x.shape))
         if now.input != self.form.input or len(now.shape) != len(self.form.shape):
             raise DataError(f"{self.name}: item {i:,}'s input is {now.inputs()} and item 0's {self.form.inputs()}; every "
@@ -228,8 +235,13 @@ class Checked(torch.utils.data.Dataset):
             raise DataError(f"{self.name}: item {i:,}'s label is {'None' if y is None else type(y).__name__}; every label "
                             f"must be {self.form.labels()}, as item 0's is.")
         y = as_label(y)
-        now = Form("", (), *_label_form(y))
-        if (now.label, now.label_shape) != (self.form.label, self.form.label_shape):
-            raise DataError(f"{self.name}: item {i:,}'s label is {now.labels()} and item 0's {self.form.labels()}; every "
-                            f"label must be of one kind and size.")
-        return y
+        now = _label_form(y)
+        if now == (self.form.label, self.form.label_shape):
+            return y
+        scalar = not now[1] and not self.form.label_shape
+        if scalar and now[0] == "a class index" and self.form.label == "a number":
+            return float(y)  # a whole number among numbers (targets 0.5, 1, ...): read as one of them
+        if scalar and now[0] == "a number" and self.numbers:
+            return y  # after a class index, for a loss of the user's
+        raise DataError(f"{self.name}: item {i:,}'s label is {Form('', (), *now).labels()} and item 0's "
+                        f"{self.form.labels()}; every label must be of one kind and size.")
