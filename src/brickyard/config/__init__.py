@@ -7,17 +7,19 @@ bad value and what is allowed.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from pathlib import Path
 
 import yaml
 
+from brickyard.config.checks import cross_check  # noqa: F401
 from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig,  # noqa: F401
                                      DistConfig, FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig,
-                                     ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, build, cross_check,
-                                     per_device_wins, switch_optimiser)
-from brickyard.config.schema import MAX_BASES, MAX_BYTES, MAX_DEPTH, bounded
+                                     ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, per_device_wins,
+                                     switch_optimiser)
+from brickyard.config.values import MAX_BASES, MAX_BYTES, MAX_DEPTH, bounded, make
 from brickyard.errors import ConfigError
 from brickyard.files import write_atomic, write_if_changed
 
@@ -76,6 +78,42 @@ def parse_yaml(text: str, where: str):
         raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(e)}).") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.") from None
+
+
+def build(raw: dict, overrides: list[str] | tuple = (), notes: list | None = None) -> Config:
+    """The ``Config`` of the plain mapping ``raw`` with ``KEY=VALUE`` overrides (each value read as YAML),
+    checked: each key, then each section, then the rules across sections; else a ``ConfigError``."""
+    raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
+    per_device_wins(raw)
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    per_device_wins(raw, keys)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.05.")
+        if len(text) > 1 << 16:
+            raise ConfigError(f"--set {key.strip()}: a value of {len(text):,} characters; a setting is a few.")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()}: the value is nested too deeply.") from None
+        bounded(value, f"--set {key.strip()}")
+        if key.strip() == "optim.name" and isinstance(raw.get("optim"), dict):
+            switch_optimiser(raw["optim"], value, {k.split(".", 1)[1] for k in keys if k.startswith("optim.")}, "--set", notes)
+        node = raw
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if not isinstance(child, dict):
+                child = {}
+                node[p] = child
+            node = child
+        node[parts[-1]] = value
+    cfg = make(Config, raw, "")
+    cfg.check()
+    return cfg
 
 
 def _read_yaml(path: Path) -> dict:

@@ -1,21 +1,21 @@
 """The configuration schema: every key, its type, default, allowed values and one line of doc.
 
 One frozen dataclass per section; ``Config`` holds them all. ``brickyard.config`` builds a ``Config``
-from defaults, a YAML file and ``--set`` overrides and checks it against these declarations; the
-README's configuration table is generated from them (``python -m brickyard.config``).
+from defaults, a YAML file and ``--set`` overrides and checks it against these declarations (each key
+alone: ``config/values.py``), then each section checks itself (its ``check()``) and the rules across
+sections run (``config/rules.py``); the README's configuration table is generated from the declarations
+(``python -m brickyard.config``).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import types
-import typing
+import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-import yaml
-
-from brickyard.config.checks import cross_check
+from brickyard.config.checks import check_transform, init_method, logger_names, rand_augment_policy
+from brickyard.config.rules import RULES
+from brickyard.config.values import with_changes
 from brickyard.errors import ConfigError
 
 
@@ -29,8 +29,17 @@ def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choice
     return field(default=default, metadata=meta)
 
 
+class Section:
+    """A config section: keys declared with ``_opt``, each checked alone as the config is built
+    (``config/values.py``); ``check()`` holds the rules among the section's own keys."""
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` where keys this section allows one by one do not go together. Run after
+        every key's own check, whenever a config is built or replaced; the default: no such rule."""
+
+
 @dataclass(frozen=True)
-class SyntheticConfig:
+class SyntheticConfig(Section):
     num_train: int = _opt(2048, min=1, doc="training images")
     num_val: int = _opt(512, min=0, doc="validation images")
     num_test: int = _opt(512, min=0, doc="test images")
@@ -41,17 +50,17 @@ class SyntheticConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "imagefolder"))
-    root: Union[str, None] = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
+    root: str | None = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
     global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
-    batch_size: Union[int, str] = _opt(256, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")
+    batch_size: int | str = _opt(256, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")
     eval_batch_size: int = _opt(250, min=1)
     eval_limit: int = _opt(0, min=0, doc="validate and test on the first N images of each split only (0 = all), as Lightning's limit_val_batches and limit_test_batches: a quick check of a recipe; the same images on any number of processes, and the log and summary.json say how many (`brickyard eval` reads the whole split)")
     train_on_all: bool = _opt(False, doc="train on every training image, no validation split: MNIST and Fashion-MNIST on 60,000, CIFAR on 50,000, an image folder without reading val/ (not with data.val_fraction)")
     loader: str = _opt("auto", choices=("auto", "memory", "stream"))
-    num_workers: Union[int, str] = _opt("auto", min=0, max=256, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")
+    num_workers: int | str = _opt("auto", min=0, max=256, choices_str=("auto",), doc="streaming loader worker processes; auto: planned against the cores (CPU: half of each process's cores decode, the other half train; GPU: the process's cores less one, at most 8; in-memory data: none)")
     prefetch: int = _opt(2, min=1, max=1024, doc="streaming loader batches prefetched per worker")
     pin_memory: bool = _opt(True)
     augment: str = _opt("none", choices=("none", "shift", "crop-flip"))
@@ -74,9 +83,30 @@ class DataConfig:
     skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
     cache: str = _opt("none", choices=("none", "memory", "disk"), doc="imagefolder: memory keeps the deterministic part of each training image in shared memory after the first epoch; disk decodes every training image once into a uint8 file beside the data (ROOT/.brickyard-cache), memory-mapped by every later run and epoch")
 
+    def check(self) -> None:
+        if self.rand_augment:
+            rand_augment_policy(self.rand_augment)
+        for key in ("train_transforms", "eval_transforms"):
+            specs = tuple(getattr(self, key))
+            if specs != ("auto",):
+                for spec in specs:
+                    check_transform(f"data.{key}", spec)
+        if self.train_on_all and self.val_fraction:
+            raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
+                              f"({self.val_fraction}); set one of them.")
+        kept = list(self.classes)
+        twice = next((c for i, c in enumerate(kept) if c in kept[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"data.classes: {twice!r} is listed twice; list each class index once.")
+        if len(kept) == 1:
+            raise ConfigError(f"data.classes: {kept} keeps one class; a classifier needs at least 2.")
+        if self.tta == "flip-shift" and self.shift == 0:
+            raise ConfigError("data.tta: flip-shift moves each image data.shift pixels four ways, and data.shift is 0; "
+                              "set data.shift (e.g. 1), or data.tta: flip for the mirror alone.")
+
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     name: str = _opt("mnist_fast", doc="a name from `brickyard models`")
     num_classes: int = _opt(0, min=0, doc="0 = from the data set")
     in_channels: int = _opt(0, min=0, doc="0 = from the data set")
@@ -86,18 +116,21 @@ class ModelConfig:
     whiten: bool = _opt(False, doc="set the first convolution's filters from the training images (the principal directions of its patches, scaled to unit variance, and their negatives; airbench's whitening layer) and freeze them")
     head: str = _opt("default", choices=("default", "linear"), doc="vgg16: linear replaces the three-layer 4096-unit classifier with one linear layer on globally pooled features")
 
+    def check(self) -> None:
+        init_method(self.init)
+
 
 @dataclass(frozen=True)
-class ParamGroupRule:
+class ParamGroupRule(Section):
     match: str = _opt("*", doc="fnmatch pattern on parameter names, e.g. fc.* or *.bias")
-    weight_decay: Union[float, None] = _opt(None, doc="decay for the matched parameters (None = optim.weight_decay)")
+    weight_decay: float | None = _opt(None, doc="decay for the matched parameters (None = optim.weight_decay)")
     lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier")
 
 
 # what each optimiser gets where the config does not say: torch.optim's own defaults (torch 2.13,
 # inspect.signature of SGD, Adam, AdamW, Adagrad, Adadelta; tests/config compares), and momentum 0.9
 # for brickyard's momentum and nesterov, which name SGD with momentum (torch's SGD default is none)
-CONVENTIONAL = {
+CONVENTIONAL: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8},
     "momentum": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
     "nesterov": {"lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9, "betas": (0.9, 0.999), "eps": 1e-8},
@@ -114,13 +147,13 @@ USED_BY = {"sgd": ("lr", "weight_decay"), "momentum": ("lr", "momentum", "weight
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(Section):
     name: str = _opt("adam", choices=tuple(CONVENTIONAL))
-    lr: Union[float, str, None] = _opt(None, min=0.0, choices_str=("find",), doc="base (peak) learning rate; null: the optimiser's torch default (1e-3; adagrad 1e-2, adadelta 1.0); find: the range test's suggestion (brickyard lr-find), run before training and written into the run's config")
-    momentum: Union[float, None] = _opt(None, min=0.0, max=1.0, doc="momentum and nesterov; null: 0.9")
-    weight_decay: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (0; adamw 0.01)")
-    betas: Union[tuple, None] = _opt(None, doc="adam, adamw; null: torch's (0.9, 0.999)")
-    eps: Union[float, None] = _opt(None, min=0.0, doc="null: the optimiser's torch default (1e-8; adagrad 1e-10, adadelta 1e-6)")
+    lr: float | str | None = _opt(None, min=0.0, choices_str=("find",), doc="base (peak) learning rate; null: the optimiser's torch default (1e-3; adagrad 1e-2, adadelta 1.0); find: the range test's suggestion (brickyard lr-find), run before training and written into the run's config")
+    momentum: float | None = _opt(None, min=0.0, max=1.0, doc="momentum and nesterov; null: 0.9")
+    weight_decay: float | None = _opt(None, min=0.0, doc="null: the optimiser's torch default (0; adamw 0.01)")
+    betas: tuple | None = _opt(None, doc="adam, adamw; null: torch's (0.9, 0.999)")
+    eps: float | None = _opt(None, min=0.0, doc="null: the optimiser's torch default (1e-8; adagrad 1e-10, adadelta 1e-6)")
     label_smoothing: float = _opt(0.0, min=0.0, max=1.0, doc="cross-entropy label smoothing (torch's default: 0)")
     class_weights: tuple = _opt((), doc="one weight a class for the training loss, as Keras's fit(class_weight=): each sample's cross-entropy times its class's weight, summed and divided by the batch; validation and test are not weighed; empty: all 1")
     param_groups: tuple = _opt((), item=ParamGroupRule, doc="rules [{match, weight_decay, lr_mult}], first match wins")
@@ -132,14 +165,23 @@ class OptimConfig:
             if getattr(self, key) is None:
                 object.__setattr__(self, key, CONVENTIONAL[self.name][key])
 
+    def check(self) -> None:
+        betas = tuple(self.betas or ())  # never None here: __post_init__ wrote the convention
+        if len(betas) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in betas):
+            raise ConfigError(f"optim.betas: {list(betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+        bad = [w for w in self.class_weights
+               if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0]
+        if bad:  # their count is checked against the data's classes when training starts (training.step)
+            raise ConfigError(f"optim.class_weights: {bad[0]!r} is not a weight (a finite number, 0 or more).")
+
 
 @dataclass(frozen=True)
-class ScheduleConfig:
+class ScheduleConfig(Section):
     name: str = _opt("constant", choices=("constant", "step", "cosine", "onecycle", "warmup_linear", "plateau", "none"),
                      doc="constant (as torch without a scheduler); plateau: constant, lowered by schedule.gamma when schedule.monitor has not improved for schedule.patience validations (Keras's ReduceLROnPlateau); none: brickyard leaves the optimiser's rates alone (a torch LR scheduler in a callback drives them)")
     warmup_epochs: float = _opt(0.0, min=0.0, doc="linear warm-up (warmup_linear, cosine, step, constant, plateau)")
     lr_init: float = _opt(0.0, min=0.0, doc="learning rate at the start of warm-up")
-    lr_max: Union[float, None] = _opt(None, doc="peak rate; defaults to optim.lr")
+    lr_max: float | None = _opt(None, doc="peak rate; defaults to optim.lr")
     lr_end: float = _opt(0.0, min=0.0, doc="final rate (warmup_linear, cosine); plateau: the lowest rate it lowers to (Keras's min_lr)")
     step_epochs: float = _opt(1.0, min=0.0, doc="step: decay every this many epochs")
     gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor; plateau: the factor each reduction multiplies the rate by (Keras's factor; below 1)")
@@ -149,17 +191,22 @@ class ScheduleConfig:
     min_delta: float = _opt(1e-4, min=0.0, doc="plateau: smaller changes of schedule.monitor do not count as improvement")
     cooldown: int = _opt(0, min=0, doc="plateau: validations after a reduction during which none is counted")
 
+    def check(self) -> None:
+        if self.name == "plateau" and not 0 < self.gamma < 1:
+            raise ConfigError(f"schedule.gamma: {self.gamma:g} must lie between 0 and 1 for schedule.name plateau "
+                              f"(each reduction multiplies the rate by it), e.g. 0.1 or 0.5.")
+
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
     epochs: float = _opt(1.0, min=0.0, max=1e6, doc="may be fractional")
     max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit); the schedule is still planned over train.epochs (with epochs 0: over max_steps)")
     stop_epoch: float = _opt(0.0, min=0.0, max=1e6, doc="stop after this many epochs, the schedule planned over train.epochs (plan 90, stop at 70; 0 = at train.epochs)")
     device: str = _opt("auto", doc="auto, cpu, cuda, cuda:N")
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
-    channels_last: Union[bool, str] = _opt("auto", choices=(True, False, "auto"))
-    compile: Union[bool, str] = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 15,000 steps, never on CPUs (see docs/training.md)")
-    activation_checkpointing: Union[tuple, str] = _opt((), choices_str=("auto",), names=True, doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
+    channels_last: bool | str = _opt("auto", choices=(True, False, "auto"))
+    compile: bool | str = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 15,000 steps, never on CPUs (see docs/training.md)")
+    activation_checkpointing: tuple | str = _opt((), choices_str=("auto",), names=True, doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
     seed: int = _opt(0, min=0)
@@ -186,7 +233,18 @@ class TrainConfig:
     max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
     csv_log: bool = _opt(False, doc="true adds csv to train.loggers (kept for one version: use train.loggers)")
     profile_steps: tuple = _opt((), doc="[a, b]: record steps a to b - 1 with torch.profiler (CPU operators; CUDA kernels on GPUs) into train.profile_dir, for TensorBoard's profile plugin or Chrome's trace viewer")
-    profile_dir: Union[str, None] = _opt(None, doc="where profile traces go (default RUN_DIR/profile)")
+    profile_dir: str | None = _opt(None, doc="where profile traces go (default RUN_DIR/profile)")
+
+    def check(self) -> None:
+        steps = tuple(self.profile_steps)
+        if steps and (len(steps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)
+                      or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):
+            raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] step numbers, first < last, "
+                              f"at most 1,000 steps apart, e.g. [10, 15].")
+        names = logger_names()
+        for name in self.loggers:
+            if name not in names:
+                raise ConfigError(f"train.loggers: {name!r} is not one of {', '.join(names)}.")
 
 
 def loggers(t) -> set[str]:
@@ -200,7 +258,7 @@ def loggers(t) -> set[str]:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every_steps: int = _opt(0, min=0, doc="0 = off")
     every_epoch: bool = _opt(True)
     keep_last: int = _opt(2, min=1)
@@ -209,21 +267,21 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class PSConfig:
+class PSConfig(Section):
     servers: int = _opt(1, min=1)
     sync: bool = _opt(True)
     max_staleness: int = _opt(2, min=0)
 
 
 @dataclass(frozen=True)
-class FSDPConfig:
-    blocks: Union[tuple, str] = _opt("auto", choices_str=("auto",), names=True, doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
+class FSDPConfig(Section):
+    blocks: tuple | str = _opt("auto", choices_str=("auto",), names=True, doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
     offload: bool = _opt(False, doc="keep the sharded parameters, gradients and optimiser state in host memory (GPUs; a CPU run already does)")
     reshard_after_forward: bool = _opt(True, doc="free the gathered parameters after each block's forward (false: keep them until the backward, more memory and less communication)")
 
 
 @dataclass(frozen=True)
-class DistConfig:
+class DistConfig(Section):
     mode: str = _opt("collective", choices=("collective", "ps"))
     strategy: str = _opt("ddp", choices=("ddp", "fsdp"), doc="ddp: every rank holds the whole model; fsdp: each holds 1/world of the parameters, gradients and optimiser state (FSDP2); docs/distributed.md")
     backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
@@ -236,43 +294,64 @@ class DistConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
 
+    def check(self) -> None:
+        if self.grad_sync == "flat" and self.sync_bn:
+            raise ConfigError("dist.grad_sync: flat does not run SyncBatchNorm (dist.sync_bn: true); use dist.grad_sync: ddp or auto.")
+
 
 @dataclass(frozen=True)
-class FinetuneConfig:
-    init_from: Union[str, None] = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors), or published weights: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16")
+class FinetuneConfig(Section):
+    init_from: str | None = _opt(None, doc="brickyard checkpoint or state_dict (.pt, .pth, .safetensors), or published weights: torchvision:resnet18, torchvision:resnet50, torchvision:vgg16")
     reset_head: bool = _opt(False, doc="replace the classifier for model.num_classes (Xavier init)")
     freeze: tuple = _opt((), names=True, doc="parameter name patterns to freeze, e.g. [conv1.*, layer1.*], or all_but_last:N (every layer but the last N that hold parameters)")
     head_lr_mult: float = _opt(1.0, min=0.0, doc="learning-rate multiplier for the classifier")
 
+    def check(self) -> None:
+        for item in self.freeze:
+            if str(item).startswith("all_but_last") and not str(item).partition(":")[2].strip().isdigit():
+                raise ConfigError(f"finetune.freeze: {item!r}: write all_but_last:N, N the number of layers left to train.")
+
 
 @dataclass(frozen=True)
-class SnapshotConfig:
+class SnapshotConfig(Section):
     enabled: bool = _opt(False, doc="save flattened trainable parameters during training (stage 1)")
     start_epoch: float = _opt(0.0, min=0.0, doc="first epoch to take snapshots in (0 includes the initial weights)")
-    every_steps: Union[int, str] = _opt("auto", min=0, choices_str=("auto",), doc="steps between snapshots; auto: spread keep of them over the epochs from start_epoch on; 0 = once per epoch")
+    every_steps: int | str = _opt("auto", min=0, choices_str=("auto",), doc="steps between snapshots; auto: spread keep of them over the epochs from start_epoch on; 0 = once per epoch")
     keep: int = _opt(40, min=2, doc="snapshots kept (must exceed dim_reduce.n_components)")
     include_init: bool = _opt(False, doc="the initial weights are the first snapshot also when start_epoch > 0 (stage 2 from the initial weights)")
 
 
 @dataclass(frozen=True)
-class DimReduceConfig:
+class DimReduceConfig(Section):
     enabled: bool = _opt(False, doc="stage 2: P-BFGS in the subspace of the stage-1 trajectory")
     method: str = _opt("dldr", choices=("dldr", "mindspore"), doc="the paper authors' P-BFGS (nblt/DLDR) or MindSpore Boost's; docs/dimension-reduction.md")
     n_components: int = _opt(32, min=1)
-    rho: Union[float, None] = _opt(None, doc="line-search backtracking factor (default: dldr 0.4, mindspore 0.55)")
+    rho: float | None = _opt(None, doc="line-search backtracking factor (default: dldr 0.4, mindspore 0.55)")
     sigma: float = _opt(0.4, min=0.0, max=1.0, doc="Armijo sufficient-decrease constant")
     gamma: float = _opt(0.9, min=0.0, max=1.0, doc="residual momentum decay")
-    alpha: Union[float, None] = _opt(None, doc="residual momentum step size (default: dldr 0, mindspore 0.001)")
-    max_search: Union[int, None] = _opt(None, doc="line-search step sizes tried per step (default: dldr 20, mindspore 2)")
+    alpha: float | None = _opt(None, doc="residual momentum step size (default: dldr 0, mindspore 0.001)")
+    max_search: int | None = _opt(None, doc="line-search step sizes tried per step (default: dldr 20, mindspore 2)")
     batch_size: int = _opt(0, min=0, doc="brickyard boost dim-reduce: stage 2's global batch (0 = data.global_batch_size)")
-    snapshots_dir: Union[str, None] = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
-    pca_path: Union[str, None] = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
+    snapshots_dir: str | None = _opt(None, doc="stage-1 snapshots (default RUN_DIR/snapshots)")
+    pca_path: str | None = _opt(None, doc="a saved pca.pt to use instead of the snapshots")
+
+    def check(self) -> None:
+        if self.rho is not None and not 0 < self.rho < 1:
+            raise ConfigError(f"boost.dim_reduce.rho: {self.rho} must be between 0 and 1 (the backtracking factor, e.g. 0.4).")
+        if self.alpha is not None and self.alpha < 0:
+            raise ConfigError(f"boost.dim_reduce.alpha: {self.alpha} must be at least 0.")
+        if self.max_search is not None and (isinstance(self.max_search, bool) or not isinstance(self.max_search, int)
+                                            or self.max_search < 1):
+            raise ConfigError(f"boost.dim_reduce.max_search: {self.max_search} must be a whole number of at least 1.")
 
 
 @dataclass(frozen=True)
-class BoostConfig:
+class BoostConfig(Section):
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     dim_reduce: DimReduceConfig = field(default_factory=DimReduceConfig)
+
+    def check(self) -> None:  # boost.snapshots.keep against dim_reduce.n_components: config/rules.py, for its precedence
+        self.dim_reduce.check()
 
 
 @dataclass(frozen=True)
@@ -291,9 +370,35 @@ class Config:
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
 
-    def replace(self, **changes) -> "Config":
-        """Return a copy with dotted-key changes, validated like user overrides."""
-        return build(self.to_dict(), [f"{k}={_yaml_value(v)}" for k, v in changes.items()])
+    def check(self) -> None:
+        """Every section checks itself (in the order above), then every rule across sections runs
+        (``config/rules.py``, in its order); the first rule broken raises ``ConfigError``. Run when a
+        config is built or replaced: before any process starts, data loads or training begins."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if isinstance(section, Section):
+                section.check()
+        for rule in RULES:
+            rule(self)
+
+    def replace(self, **changes) -> Config:
+        """A copy with dotted-key changes (``cfg.replace(**{"data.batch_size": 64})``), as ``--set`` would
+        make them: each new value passes the loader's check of its key, ``data.batch_size`` without
+        ``data.global_batch_size`` sets that 0 and a new ``optim.name`` takes its own conventions
+        (``per_device_wins``, ``switch_optimiser``); then ``check()``. Every other value is kept as it is."""
+        keys = [k.strip() for k in changes]
+        wins: dict = {}
+        per_device_wins(wins, keys)
+        edits = [([section, name], v) for section, values in wins.items() for name, v in values.items()]
+        for key, value in zip(keys, changes.values(), strict=True):
+            if key == "optim.name":
+                optim = dataclasses.asdict(self.optim)
+                switch_optimiser(optim, value, {k.split(".", 1)[1] for k in keys if k.startswith("optim.")}, "--set", None)
+                edits += [(["optim", k], None) for k in OPTIMISER_KEYS if k not in optim]  # None: the new one's convention
+            edits.append((key.split("."), value))
+        cfg = with_changes(self, edits)
+        cfg.check()
+        return cfg
 
 
 def _to_plain(value):
@@ -304,19 +409,11 @@ def _to_plain(value):
     return value
 
 
-def _yaml_value(v) -> str:
-    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and checking a Config from plain values
-
-
 def per_device_wins(raw: dict, keys=None) -> None:
     """A config that names ``data.batch_size`` (the per-device batch) without ``data.global_batch_size``
     gets what it asked for: the global batch then follows the world size (``global_batch_size: 0``).
     ``keys``: the dotted keys set at this level (overrides); else the keys in ``raw`` itself."""
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data: dict = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     named = set(keys) if keys is not None else {f"data.{k}" for k in data}
     if "data.batch_size" in named and "data.global_batch_size" not in named:
         raw.setdefault("data", {})["global_batch_size"] = 0
@@ -337,167 +434,3 @@ def switch_optimiser(optim: dict, new: str, kept, where: str, notes: list | None
         shown = ", ".join(f"optim.{k} {list(CONVENTIONAL[new][k]) if k == 'betas' else CONVENTIONAL[new][k]}" for k in relevant)
         notes.append(f"optim.name {new} ({where}) replaces {old}: {shown} are {new}'s conventional settings, not "
                      f"the ones tuned for {old}; set them to choose others")
-
-
-def build(raw: dict, overrides: list[str] | tuple = (), notes: list | None = None) -> Config:
-    raw = copy.deepcopy(raw)  # overrides must not reach into the caller's nested dicts
-    per_device_wins(raw)
-    keys = [item.partition("=")[0].strip() for item in overrides]
-    per_device_wins(raw, keys)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.05.")
-        if len(text) > 1 << 16:
-            raise ConfigError(f"--set {key.strip()}: a value of {len(text):,} characters; a setting is a few.")
-        try:
-            value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError:
-            value = text
-        except RecursionError:
-            raise ConfigError(f"--set {key.strip()}: the value is nested too deeply.") from None
-        bounded(value, f"--set {key.strip()}")
-        if key.strip() == "optim.name" and isinstance(raw.get("optim"), dict):
-            switch_optimiser(raw["optim"], value, {k.split(".", 1)[1] for k in keys if k.startswith("optim.")}, "--set", notes)
-        node = raw
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            child = node.get(p)
-            if not isinstance(child, dict):
-                child = {}
-                node[p] = child
-            node = child
-        node[parts[-1]] = value
-    cfg = _make(Config, raw, "")
-    cross_check(cfg)
-    return cfg
-
-
-# what a config may hold: far more than any real one, far less than what hangs or overflows the stack
-MAX_BYTES, MAX_VALUES, MAX_DEPTH, MAX_BASES = 1 << 20, 100_000, 32, 16
-
-
-def bounded(value, where: str):
-    """``value`` (parsed YAML: a file, or a ``--set`` value) if it holds at most ``MAX_VALUES`` values nested
-    at most ``MAX_DEPTH`` deep, counting what YAML aliases repeat as often as they are repeated (an alias
-    bomb expands to billions); else a ``ConfigError``. Walks without recursion and stops at the first bound."""
-    stack, seen = [(value, 0)], 0
-    while stack:
-        node, depth = stack.pop()
-        seen += 1
-        if seen > MAX_VALUES:
-            raise ConfigError(f"{where}: more than {MAX_VALUES:,} values (YAML aliases that repeat a large part?); "
-                              f"a config is a few hundred.")
-        if depth > MAX_DEPTH:
-            raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep; a config is 3 or 4.")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-            stack.extend((k, depth + 1) for k in node if isinstance(k, (tuple, list, dict)))
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1) for v in node)
-    return value
-
-
-def _make(cls, raw, prefix: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {raw!r}.")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in raw:
-        if key not in fields:
-            allowed = ", ".join(fields)
-            raise ConfigError(f"{prefix}{key}: unknown key; allowed in this section: {allowed}.")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in raw:
-            continue
-        tp = hints[name]
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _make(tp, raw[name] if raw[name] is not None else {}, key + ".")
-        elif f.metadata.get("item") is not None:
-            items = raw[name] if raw[name] is not None else []
-            if not isinstance(items, (list, tuple)):
-                raise ConfigError(f"{key}: expected a list of mappings, got {items!r}.")
-            kwargs[name] = tuple(_make(f.metadata["item"], it, f"{key}[{i}].") for i, it in enumerate(items))
-        else:
-            kwargs[name] = _check(key, raw[name], tp, f.metadata)
-    return cls(**kwargs)
-
-
-def _type_name(tp) -> str:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]  # null is the unset default: not what to write
-    if args:
-        return " or ".join(_type_name(a) for a in args)
-    names = {type(None): "null", int: "an integer", float: "a number", bool: "true or false", str: "a string",
-             tuple: "a list", list: "a list"}
-    return names.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _check(key: str, value: Any, tp, meta) -> Any:
-    allowed_types = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-    coerced = _coerce(value, allowed_types)
-    if coerced is _BAD and tuple in allowed_types and isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != "":
-        coerced = (value,)  # one item where a list is expected (`--set train.loggers=csv`): a list of one
-    if coerced is _BAD:
-        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}.")
-    if isinstance(coerced, str) and tuple in allowed_types and coerced not in (meta.get("choices_str") or ()):
-        coerced = (coerced,)  # one pattern where a list or a word is allowed: a list of one
-    if meta.get("names") and isinstance(coerced, tuple):
-        odd = next((v for v in coerced if isinstance(v, bool) or not isinstance(v, (str, int))), None)
-        if odd is not None:
-            raise ConfigError(f"{key}: {odd!r} is not a name or a pattern, e.g. [conv1, layer1.*].")
-        coerced = tuple(str(v) for v in coerced)
-    if isinstance(coerced, str) and meta.get("choices_str") and coerced not in meta["choices_str"]:
-        raise ConfigError(f"{key}: {value!r} is not a number or one of {', '.join(meta['choices_str'])}.")
-    choices = meta.get("choices")
-    if choices is not None and coerced not in choices:
-        shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
-        raise ConfigError(f"{key}: {value!r} is not one of {shown}.")
-    lo, hi = meta.get("min"), meta.get("max")
-    if isinstance(coerced, int) and not isinstance(coerced, bool) and hi is None:
-        hi = MAX_INT  # what every counter, size and seed here can use (torch and numpy take 32-bit values)
-    if isinstance(coerced, (int, float)) and not isinstance(coerced, bool):
-        if coerced != coerced or coerced in (float("inf"), float("-inf")):
-            raise ConfigError(f"{key}: {value!r} is not allowed; give a finite number.")
-        if lo is not None and coerced < lo:
-            raise ConfigError(f"{key}: {value!r} is below the minimum {lo}.")
-        if hi is not None and coerced > hi:
-            raise ConfigError(f"{key}: {value!r} is above the maximum {hi}.")
-    return coerced
-
-
-_BAD = object()
-MAX_INT = 2**31 - 1
-
-
-def _number(value) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        number = float(value.strip().replace("_", ""))
-    except ValueError:
-        return None
-    return number if number == number and abs(number) != float("inf") else None
-
-
-def _coerce(value, allowed_types):
-    for tp in allowed_types:
-        if tp is type(None) and value is None:
-            return None
-        if tp is bool and isinstance(value, bool):
-            return value
-        if tp is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        number = _number(value)  # YAML 1.1 reads 5e-5 and 1e5 as strings: take them as the numbers they are
-        if tp is float and number is not None:
-            return number
-        if tp is int and number is not None and number.is_integer():
-            return int(number)
-        if tp is str and isinstance(value, str):
-            return value
-        if tp in (tuple, list) and isinstance(value, (list, tuple)):
-            return tuple(value)
-    return _BAD
