@@ -13,7 +13,10 @@ for the same reason), else ``spawn`` (``fn`` must then be importable: defined in
 ``__main__`` of a notebook). ``start_method=`` chooses.
 
 An exception on any rank ends the job; ``launch`` raises ``LaunchError`` naming the first failed rank
-and its exception in the first line, followed by that rank's traceback as the worker printed it.
+and its exception in the first line, followed by that rank's traceback as the worker printed it. So do
+``KeyboardInterrupt``, ``sys.exit(N)`` (its code), a return value that cannot be pickled, and a process
+that ends without an exception (``os._exit(N)``, a signal: its exit code or signal); ``sys.exit(0)``
+returns None (``ranks.py`` says how). Ctrl-C in the launching process raises ``KeyboardInterrupt``.
 """
 from __future__ import annotations
 
@@ -21,10 +24,14 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import uuid
 
 from brickyard.errors import BrickyardError
+from brickyard.launch.ranks import Rank, Watch
 
 
 class LaunchError(BrickyardError):
@@ -77,9 +84,11 @@ def _failure(err) -> LaunchError:
         trace = str((inner.get("extraInfo") or {}).get("py_callstack", ""))
     else:
         text, trace = str(message or ""), ""
-    if not text:
-        text = f"exited with code {failure.exitcode}"
-    head = text.strip().splitlines()[-1] if text.strip() else text
+    if failure.error_file == "<N/A>" or not text:  # no error file: torch's own text only links to its docs
+        code, trace = failure.exitcode, ""
+        text = (f"its process was killed by signal {-code} ({failure.signal_name()})." if code < 0 else
+                f"its process ended with exit code {code} and no Python exception (os._exit, or a crash outside Python).")
+    head = text.strip().splitlines()[-1].rstrip(": ") if text.strip() else text
     return LaunchError(f"rank {rank} failed: {head}" + (f"\n\nrank {rank}'s traceback:\n{trace.rstrip()}" if trace else ""))
 
 
@@ -87,6 +96,7 @@ def launch(fn, devices: str = "cpu:2", args: tuple = (), *, start_method: str | 
     """Run ``fn(*args)`` on one process per device of ``devices`` (``cpu:N``, ``cuda``/``all``, or GPU ids
     like ``0,1``, as ``brickyard run --devices``) and return rank 0's result."""
     # lazy: torch's launcher and brickyard's device parsing load only when a job starts
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -104,12 +114,22 @@ def launch(fn, devices: str = "cpu:2", args: tuple = (), *, start_method: str | 
     levels = [q.level for q in quiet]  # their error dump and SIGTERM notes repeat what LaunchError says
     for q in quiet:
         q.setLevel(logging.CRITICAL)
+    marks = tempfile.mkdtemp(prefix="brickyard-launch-")
+    watch = Watch(marks)
+    if os.name == "posix":  # a rank that ends with code 0 and no result would leave torch waiting forever
+        watch.start()
     try:
         with _environment(env):
-            results = elastic_launch(config, fn)(*args)
+            results = elastic_launch(config, Rank(fn, marks))(*args)
     except ChildFailedError as err:
-        raise _failure(err) from None
+        raise (LaunchError(watch.cause) if watch.cause else _failure(err)) from None
+    except SignalException as err:
+        if err.sigval == signal.SIGINT:  # Ctrl-C: what a notebook or script expects from it
+            raise KeyboardInterrupt from None
+        raise
     finally:
+        watch.finished.set()
+        shutil.rmtree(marks, ignore_errors=True)
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     return results[0]
