@@ -11,13 +11,16 @@ it. Without that, only rank 0 spoke, so a problem only another rank met (a corru
 the data) showed as rank 0's "a collective lost a peer", or as nothing.
 
 The extra ``"brickyard"`` entry says whether the error follows another rank's (a collective that lost
-its peer): the launcher says such an error only when no rank left a cause of its own.
+its peer): the launcher says such an error only when no rank left a cause of its own. The file is written
+by ``brickyard.files.write_atomic``, as every file brickyard writes (whole or not at all).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+
+from brickyard.files import write_atomic
 
 LAUNCHER_SAYS = "BRICKYARD_LAUNCHER_SAYS_ERRORS"  # set by brickyard's launcher for its workers
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"            # set by torchrun's agent, one file a worker
@@ -42,17 +45,10 @@ def record(message: str, rank: int, follows: bool, code: int) -> bool:
         return False
     data = {"message": {"message": message, "extraInfo": {"timestamp": int(time.time()), "py_callstack": ""}},
             "brickyard": {"rank": rank, "follows": bool(follows), "exit": int(code), "time": time.time()}}
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data))  # whole or not at all, as every file brickyard writes
         return True
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    except OSError:  # write_atomic leaves no temporary behind
         return False
 
 
