@@ -91,10 +91,13 @@ def _cifar(args, cifar, idx) -> int:
 
 def _photos(args) -> int:
     # lazy: Pillow and numpy load for this command only (cli/main.py: start-up time)
+    from brickyard.data.export import prepare_folder
     from brickyard.data.photos import make_photo_folder
     if args.classes < 2 or min(args.per_class) < 1 or not 16 <= args.min_size <= args.max_size:
         raise BrickyardError("data make-photos: --classes must be at least 2, every --per-class count at least 1, "
                              "and 16 <= --min-size <= --max-size.")
+    prepare_folder(Path(args.out), {"command": "data make-photos", "classes": args.classes, "per_class": list(args.per_class),
+                                    "seed": args.seed, "min_size": args.min_size, "max_size": args.max_size})
     counts = make_photo_folder(Path(args.out), args.classes, dict(zip(("train", "val", "test"), args.per_class)),
                                args.seed, args.min_size, args.max_size)
     print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} JPEG images of {args.classes} classes to {args.out} "

@@ -5,16 +5,60 @@ last 10,000) and ``DIR/test/...``, so the image-folder path sees the same split 
 Each file is written to a temporary name and renamed, so an interrupted export leaves no
 half-written PNG. ``limit`` keeps the first N images *of each class* in each split, so a small
 export still has every class (an empty class folder is an error for the image-folder loader).
+
+A folder brickyard writes images into remembers how (``.brickyard-images.json``: the command and its
+settings; ``prepare_folder``, also for ``data make-photos``): the same command again completes an
+interrupted one (files already there are kept), other settings replace the earlier output (its files are
+removed first, so none of another size, format or limit stays behind), and images named as brickyard's
+that no such record claims are refused in one sentence, never silently kept.
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from brickyard.data import idx
-from brickyard.files import write_atomic
+from brickyard.errors import BrickyardError
+from brickyard.files import write_atomic, write_json
+
+RECORD = ".brickyard-images.json"
+SPLITS = ("train", "val", "test")
+_OURS = re.compile(r"^\d{5}\.(png|jpg)$")  # the names export and make-photos write
+
+
+def _our_files(out: Path) -> list[Path]:
+    return [f for split in SPLITS if (out / split).is_dir() for c in (out / split).iterdir() if c.is_dir()
+            for f in c.iterdir() if _OURS.match(f.name) and f.is_file()]
+
+
+def _recorded(out: Path) -> dict | None:
+    try:
+        return json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def prepare_folder(out: Path, settings: dict) -> None:
+    """Make ``out`` ready for images written with ``settings`` (module docstring): keep the files of an
+    interrupted run of the same settings, remove those of other settings, refuse images of no record."""
+    earlier, files = _recorded(out), _our_files(out)
+    if earlier == settings:
+        return
+    if earlier is None and files:
+        raise BrickyardError(f"{out} already holds images named as brickyard writes them ({files[0].relative_to(out)}), "
+                             "with no record of what wrote them; write into an empty folder, or remove its "
+                             "train/, val/ and test/ first.")
+    for f in files:
+        f.unlink()
+    for c in {f.parent for f in files}:
+        if not any(c.iterdir()):
+            c.rmdir()
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / RECORD, settings)
 
 
 def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jpeg_size: int = 0) -> dict[str, int]:
@@ -25,6 +69,7 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jp
     splits = {"train": (x[:50000], y[:50000]), "val": (x[50000:], y[50000:]),
               "test": (arrays["t10k-images-idx3-ubyte"], arrays["t10k-labels-idx1-ubyte"])}
     classes = [c.replace("/", "-") for c in idx.classes(name)]
+    prepare_folder(out, {"command": "data export", "name": name, "limit": limit, "jpeg": jpeg_size})
     counts = {}
     for split, (images, labels) in splits.items():
         keep = range(len(labels))
