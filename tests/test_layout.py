@@ -137,10 +137,51 @@ def test_folders_depend_one_way():
 
 
 @pytest.mark.fast
-def test_callbacks_see_the_public_run_only():
-    """brickyard's own behaviours use the contract a user's callback has: nothing under callbacks/,
-    boost/ or observe/ reads or writes the run's private engine."""
-    reaching = [f"{p.relative_to(SRC)}:{n.lineno}" for folder in ("callbacks", "boost", "observe")
-                for p in (SRC / folder).rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
-                if isinstance(n, ast.Attribute) and n.attr == "_engine"]
-    assert not reaching, "private engine state used at " + ", ".join(reaching)
+def _private_names(trees) -> set[str]:
+    """Underscore attributes and methods brickyard's own classes define (``self._x = ...``, ``def _x``, ``_x: T``)."""
+    own = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    name = item.name if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                        item.target.id if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) else ""
+                    own.add(name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                own.add(node.attr)
+    return {n for n in own if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """One owner per piece of state: an object's underscore attributes are read and written by its own methods
+    only (``self._x``), never as ``run._engine`` or ``trainer._parts`` from elsewhere."""
+    trees = {p: ast.parse(p.read_text()) for p in SRC.rglob("*.py")}
+    private = _private_names(trees.values())
+    assert {"_control", "_eval_weights", "_done"} <= private  # the check sees brickyard's own private state
+    reaching = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr in private:
+                v = n.value
+                if (isinstance(v, ast.Name) and v.id in ("self", "cls")) or \
+                        (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super"):
+                    continue
+                reaching.append(f"{path.relative_to(SRC)}:{n.lineno} .{n.attr}")
+    assert not reaching, "private state of another object used at " + ", ".join(reaching)
+
+
+def test_only_the_ways_of_training_ask_which_one_runs():
+    """The trainer calls the ``Way`` interface (``training/ways``); nothing else under training/ compares
+    ``dist.mode``, ``dist.strategy`` or ``boost.dim_reduce.enabled`` to choose what to do."""
+    asking = []
+    for path in (SRC / "training").rglob("*.py"):
+        if path.parent.name == "ways":
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute) and n.left.attr in ("mode", "strategy"):
+                asking.append(f"{path.relative_to(SRC)}:{n.lineno}")
+            if isinstance(n, ast.Attribute) and n.attr == "enabled" and isinstance(n.value, ast.Attribute) and \
+                    n.value.attr == "dim_reduce":
+                asking.append(f"{path.relative_to(SRC)}:{n.lineno}")
+    assert not asking, "a way of training chosen outside training/ways at " + ", ".join(asking)

@@ -32,6 +32,7 @@ from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import activation_checkpointing
 from brickyard.training import device as dev
 from brickyard.training.precision import for_model
+from brickyard.training import ways
 
 STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -145,7 +146,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
     low = 0.5 if precision in ("bf16", "fp16") else 1.0  # FSDP gathers in the compute precision
     sharded = {"parameters": -(-param_b // world), "gradients": -(-grad_b // world), "optimizer_state": -(-state_b // world)}
     gathered = low * (root_b + 2 * block_b) + root_b + block_b  # root + block + prefetched one; their unsharded grads
-    fsdp = cfg.dist.strategy == "fsdp" and world > 1
+    fsdp = ways.WAYS[ways.name_of(cfg)].shards_state and world > 1
     offload = fsdp and cfg.dist.fsdp.offload and device.type == "cuda"
     held = (0 if offload else sum(sharded.values())) + gathered if fsdp else param_b + grad_b + state_b
     fixed = held + act_fixed + data_b

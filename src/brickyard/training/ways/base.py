@@ -16,6 +16,7 @@ class Way:
     sharded = False        # saving and evaluating are collectives every rank takes part in (FSDP)
     keeps_layout = True    # the model may be put in channels_last (FSDP shards contiguous parameters only)
     stops_early = True     # a callback may end the run before its last step
+    shards_state = False   # each of N ranks holds 1/N of the parameters, gradients and optimiser state
 
     def __init__(self, cfg, info):
         self.cfg, self.info = cfg, info

@@ -14,6 +14,7 @@ def _some(names: list[str]) -> str:
 
 class FSDPWay(Way):
     name = "fsdp"
+    shards_state = True
 
     def __init__(self, cfg, info):
         super().__init__(cfg, info)
