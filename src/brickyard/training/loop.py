@@ -3,7 +3,8 @@
 It resolves what the run decides once (``training.resolve``), joins the process group, takes the run
 directory, opens the logs, and hands the parts to the ``Trainer`` (``training.trainer``), which owns the
 loop; every failure on the way becomes one sentence in the logs and for the CLI. From ``train`` to a
-user's ``train_step`` is four frames: ``train``, ``Trainer.fit``, ``step.optimizer_step`` and ``_call_step``.
+user's ``train_step`` is four frames: ``train``, ``Trainer.fit``, ``step.optimizer_step`` and ``_call_step``
+(the run directory, the logs and the reporting of failures are context managers around them).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from brickyard.callbacks.trackers import Trackers
 from brickyard.config import Config
@@ -81,15 +83,27 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
             where = run_dir_of(run_dir, cfg.preset)
             start = _Start(cfg, model, data, user, info, way, host, where, resume,
                            Path(log_dir) if log_dir else where / "logs", started, rss)
-            rundir = RunDir(where, info.is_main)
-            rundir.lock(resume, info.restart_count > 0)  # until this process ends the run: one writer per directory
-            try:
-                return _logged(start, rundir)
-            finally:
-                rundir.unlock()
+            with _locked(where, resume, info) as rundir, _reported(start) as session:
+                trainer = _build(start, rundir, session)
+                if trainer is None:  # a parameter server: it served until the trainers were done
+                    return {}
+                summary = trainer.fit(started)
+                dist.barrier()
+                return summary
         finally:
             if created:  # a process group the caller made is theirs to end
                 dist.shutdown()
+
+
+@contextlib.contextmanager
+def _locked(where: Path, resume: str | None, info):
+    """The run directory, held until this process ends the run: one writer per directory."""
+    rundir = RunDir(where, info.is_main)
+    rundir.lock(resume, info.restart_count > 0)
+    try:
+        yield rundir
+    finally:
+        rundir.unlock()
 
 
 @contextlib.contextmanager
@@ -105,36 +119,47 @@ def _torch_flags():
         torch.set_num_threads(saved[2])
 
 
-def _logged(s: _Start, rundir: RunDir) -> dict:
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """What a run's logs and its agreement with the other ranks are: open while the run is."""
+    log: Logger
+    metrics: MetricsWriter
+    group: ProcessGroup | None = None     # the readers' process group (None: every rank)
+    messages: ProcessGroup | None = None  # the way's own group (the parameter server's messages)
+    vote: dist.StopVote | None = None  # None on a serving rank: it takes no part in the trainers' stops
+
+
+@contextlib.contextmanager
+def _reported(s: _Start):
     """The run with its logs open: every failure said once, in the logs and for the CLI, and left in the job's
     store for the ranks whose collectives its leaving fails."""
     info = s.info
     log = Logger(info.rank, tuple([s.log_dir / f"workerlog.{info.rank}"] + ([s.run_dir / "train.log"] if info.is_main else [])))
-    metrics = MetricsWriter(s.run_dir / "metrics.jsonl" if info.is_main else None)
-    heartbeat, vote, done = None, None, False
+    session = _Session(log, MetricsWriter(s.run_dir / "metrics.jsonl" if info.is_main else None))
+    heartbeat, done = None, False
     try:
         # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
         # left alone): it may wait on something with no timeout of its own
         lost = failures.cut_off(info.rank, s.log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
         heartbeat = dist.Heartbeat(info, on_lost=lost)
-        group, messages = s.way.groups()  # collective: every rank, in this order
-        vote = None if s.way.serves(info.rank) else dist.StopVote(info, warn=log.warning, group=group)
-        summary = _train(s, rundir, log, metrics, group, messages, vote)
+        session.group, session.messages = s.way.groups()  # collective: every rank, in this order
+        if not s.way.serves(info.rank):
+            session.vote = dist.StopVote(info, warn=log.warning, group=session.group)
+        yield session
         done = True
-        return summary
     except BrickyardError as e:
         log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
-        _leave_cause(vote, e)
+        _leave_cause(session.vote, e)
         raise
     except OSError as e:  # a full disk, a size limit, permissions: the CLI names the file and the reason
         log.error(os_error(e))
-        _leave_cause(vote, e)
+        _leave_cause(session.vote, e)
         raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
-        explained = failures.explain(e, s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir, vote) \
-            if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
+        explained = failures.explain(e, s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir,
+                                     session.vote) if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
         if explained is not e:
-            _leave_cause(vote, explained)  # out of memory on this rank's device
+            _leave_cause(session.vote, explained)  # out of memory on this rank's device
             raise explained from None
         log.error(f"crashed: {type(e).__name__}: {e}", exc_info=e)
         e.logged_in = [str(h.baseFilename) for h in log.handlers if hasattr(h, "baseFilename")]  # what the CLI names
@@ -145,7 +170,7 @@ def _logged(s: _Start, rundir: RunDir) -> dict:
         try:
             # after a failure, that failure is the one to say (a full disk fails a cut row's flush again here)
             with contextlib.nullcontext() if done else contextlib.suppress(OSError):
-                metrics.close()
+                session.metrics.close()
         finally:
             log.close()
 
@@ -161,9 +186,10 @@ def _leave_cause(vote, e: BaseException) -> None:
         vote.leave_cause(str(e), e.exit_code)
 
 
-def _train(s: _Start, rundir: RunDir, log: Logger, metrics: MetricsWriter, group, messages, vote) -> dict:
-    """Resolve the rest (batch size, plan, precision), build the trainer, restore, and train."""
-    cfg, info = s.config, s.info
+def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
+    """Resolve the rest (batch size, plan, precision), then build the trainer, restore it and write the run's
+    record; None on a serving rank, once it has served."""
+    cfg, info, log, metrics = s.config, s.info, session.log, session.metrics
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
         cfg = cfg.replace(**{"data.batch_size": auto_batch(cfg, s.model, s.data, s.host.device, info, log)})
@@ -172,11 +198,11 @@ def _train(s: _Start, rundir: RunDir, log: Logger, metrics: MetricsWriter, group
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint
     the_plan = plan(cfg, s.data, info, s.way.readers)  # batches, steps and schedule: decided once, here
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
-    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, group, messages,
-              vote, s.rss_at_start_mb)
-    if s.way.serves(info.rank):  # a parameter server: it serves until the trainers are done
+    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, session.group,
+              session.messages, session.vote, s.rss_at_start_mb)
+    if s.way.serves(info.rank):
         serve(job, s.model, s.data, log)
-        return {}
+        return None
     tb = TBWriter(s.run_dir if info.is_main else None, "tensorboard" in loggers(cfg.train), log.warning)
     trainer = Trainer(job, s.model, s.data, s.user, log, metrics, tb, [Trackers(sorted(loggers(cfg.train)), metrics)])
     if found:
@@ -191,6 +217,4 @@ def _train(s: _Start, rundir: RunDir, log: Logger, metrics: MetricsWriter, group
         write_env(trainer, measured)
     announce(trainer, measured)
     metrics.write(kind="start", step=trainer.run.step, world_size=info.world_size, total_steps=trainer.run.total_steps)
-    summary = trainer.fit(s.started)
-    dist.barrier()
-    return summary
+    return trainer

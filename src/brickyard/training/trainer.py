@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from brickyard.callbacks import Callback, CallbackList, from_config
 from brickyard.callbacks.checkpointing import Checkpointing
@@ -76,9 +77,9 @@ class Job:
     run_dir: Path
     plan: Plan
     way: Way
-    group: object                     # the readers' process group (None: every rank)
-    messages: object                  # the way's own process group (the parameter server's messages)
-    vote: dist.StopVote               # the ranks' agreement on a stop step
+    group: ProcessGroup | None        # the readers' process group (None: every rank)
+    messages: ProcessGroup | None     # the way's own process group (the parameter server's messages)
+    vote: dist.StopVote | None        # the ranks' agreement on a stop step (None on a serving rank)
     rss_at_start_mb: float
 
 
