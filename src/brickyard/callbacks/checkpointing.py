@@ -16,10 +16,7 @@ class Checkpointing(Callback):
 
     def metric(self, val: dict) -> float:
         """The validation's score for ``best.pt``, higher better: an accuracy as it is, a loss negated."""
-        if self.monitor == "auto":
-            return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]
-        value = monitored(val, self.monitor, f"checkpoint.monitor: {self.monitor}", "; pick one of them or auto")
-        return -value if self.monitor == "val_loss" else value
+        return score(val, self.monitor)
 
     def save(self, run, metric: float | None = None) -> None:
         self.saved_at = run.step
@@ -37,6 +34,31 @@ class Checkpointing(Callback):
     def on_loop_end(self, run):
         if self.saved_at != run.step:
             self.save(run)
+
+
+def score(val: dict, monitor: str) -> float:
+    """A validation's score under ``checkpoint.monitor``, higher better: an accuracy as it is, a loss negated
+    (``auto``: the accuracy where there is one, else the loss)."""
+    if monitor == "auto":
+        return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]
+    value = monitored(val, monitor, f"checkpoint.monitor: {monitor}", "; pick one of them or auto")
+    return -value if monitor == "val_loss" else value
+
+
+def best_logged(rows, monitor: str, step: int) -> tuple[float, int] | None:
+    """The best score under ``monitor`` among the validation rows of ``metrics.jsonl`` up to ``step``, and its
+    step: what ``best.pt`` is compared with when a resumed run watches another metric than it did."""
+    found = None
+    for row in rows:
+        if row.get("kind") != "val" or not isinstance(row.get("step"), int) or row["step"] > step:
+            continue
+        try:
+            value = score(row, monitor)
+        except (ConfigError, KeyError, TypeError):
+            continue
+        if isinstance(value, float) and value == value and (found is None or value > found[0]):
+            found = (value, row["step"])
+    return found
 
 
 def check_monitor(cfg, data) -> None:

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from brickyard.callbacks.base import Callback, monitored
-from brickyard.errors import ConfigError
+from brickyard.errors import CheckpointError, ConfigError
 
 
 class EarlyStopping(Callback):
     """Stop when ``monitor`` (``val_loss``, ``val_accuracy``, ``val_top5``) has not improved by more than
     ``min_delta`` for ``patience`` validations; with ``restore_best`` the weights of the best validation
-    are put back when it stops (kept on the CPU, one copy of the model)."""
+    are put back when it stops (kept on the CPU, one copy of the model, and in every checkpoint, so that a
+    resumed run restores them as an uninterrupted one does)."""
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, restore_best: bool = True):
         if not monitor.startswith("val_"):
@@ -32,16 +35,35 @@ class EarlyStopping(Callback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            if self.restore_best and self.best_weights is not None:
+            restored = self.restore_best and self.best_weights is not None
+            if restored:
                 run.model.load_state_dict(self.best_weights)
+            note = "; its weights restored" if restored else \
+                "; its weights were not in the checkpoint resumed from, so the last weights stay" if self.restore_best else ""
             run.log.info(f"early stopping: {self.monitor} has not improved for {self.wait} validation(s); best "
-                         f"{self.best:.4f} at step {self.best_step}" + ("; its weights restored" if self.restore_best else ""))
+                         f"{self.best:.4f} at step {self.best_step}{note}")
             run.stop(f"EarlyStopping on {self.monitor}")
 
+    def on_train_start(self, run):
+        """Weights a checkpoint handed back that do not fit this model are one sentence, before any step."""
+        if self.best_weights is None:
+            return
+        own = run.model.state_dict()
+        if set(own) != set(self.best_weights) or any(tuple(own[k].shape) != tuple(v.shape) for k, v in self.best_weights.items()):
+            raise CheckpointError("EarlyStopping: the best weights saved in the checkpoint do not fit this model.")
+
     def state_dict(self):
-        return {"best": self.best, "wait": self.wait, "best_step": self.best_step}
+        state = {"best": self.best, "wait": self.wait, "best_step": self.best_step}
+        if self.best_weights is not None and all(type(v) is torch.Tensor for v in self.best_weights.values()):
+            state["best_weights"] = self.best_weights  # not under FSDP: its shards are not one model's weights
+        return state
 
     def load_state_dict(self, state):
+        weights = state.get("best_weights")
+        if weights is not None and not (isinstance(weights, dict) and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())):
+            raise ValueError(f"EarlyStopping: {str(state)[:120]} is not its state")
+        self.best_weights = weights if self.restore_best else None
         best, wait, step = state["best"], state["wait"], state["best_step"]
         whole = [v for v in (wait, step) if v is not None]
         if not ((best is None or isinstance(best, float) and math.isfinite(best)) and isinstance(wait, int)

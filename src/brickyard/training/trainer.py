@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from brickyard.callbacks import Callback, CallbackList, from_config
-from brickyard.callbacks.checkpointing import Checkpointing
+from brickyard.callbacks.checkpointing import Checkpointing, best_logged
 from brickyard.callbacks.not_learning import NotLearning
 from brickyard.callbacks.profiling import Profiling
 from brickyard.callbacks.progress import ProgressLog
@@ -43,6 +43,7 @@ from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, CheckpointError, DataError, reason
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
+from brickyard.observe.runlog import read_metrics
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
@@ -152,7 +153,8 @@ class Trainer:
         return {
             "model": model_state, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
             "rng": ckpt.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
-            "best_metric": self.checkpoints.best_metric, "config": run.config.to_dict(),
+            "best_metric": self.checkpoints.best_metric, "best_monitor": self.config.checkpoint.monitor,
+            "config": run.config.to_dict(),
             "boost": self.update.state_dict(), "callbacks": self.callbacks.state_dict(),
             "meta": {**self.meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
                      "image_size": list(data.image_size), "in_channels": data.in_channels,
@@ -179,8 +181,26 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path}: a callback's saved state does not fit it ({reason(err)}).") from err
         ckpt.set_rng_state(state["rng"], run.device)
         run.step = int(state["step"])
-        self.checkpoints.best_metric = state.get("best_metric")
+        self.checkpoints.best_metric = self._best_after_resume(state)
         run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
+
+    def _best_after_resume(self, state: dict) -> float | None:
+        """The best metric ``best.pt`` is compared with: the saved one, or where ``checkpoint.monitor`` changed
+        since it was saved, the best under the new one recomputed from the run's logged validations (a saved
+        accuracy is never compared with a loss)."""
+        best, was, now = state.get("best_metric"), state.get("best_monitor"), self.config.checkpoint.monitor
+        if not isinstance(best, (int, float)) or isinstance(best, bool):
+            return None
+        if was is None or was == now:  # a checkpoint of 0.2.0 has no monitor: the one it ran with
+            return float(best)
+        found = best_logged(read_metrics(self.run.run_dir / "metrics.jsonl"), now, self.run.step)
+        if found is None:
+            self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: no logged validation to compare with, "
+                              f"so the next validation writes best.pt")
+            return None
+        self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: the best so far under {now} is recomputed "
+                          f"from metrics.jsonl (step {found[1]}); best.pt keeps its weights until a validation beats it")
+        return found[0]
 
     def _saved(self, path: Path) -> None:
         self.callbacks.on_checkpoint(self.run, path)

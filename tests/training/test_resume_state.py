@@ -1,0 +1,48 @@
+"""What a checkpoint holds is checked against the resumed run's settings, and a resumed run ends as the
+uninterrupted one would (fp32, one thread, synthetic data, a constant rate: the same steps bit for bit)."""
+import json
+
+import torch
+
+from conftest import run_cli, sets
+
+S = sets("data.name=synthetic", "data.synthetic.num_train=512", "data.synthetic.num_val=128",
+         "data.synthetic.num_test=128", "train.threads=1", "data.global_batch_size=64", "train.precision=fp32",
+         "train.progress=none", "train.plots=false", "schedule.name=constant", "optim.lr=0.003")
+
+
+def rows(run_dir, kind):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == kind]
+
+
+def test_a_changed_checkpoint_monitor_compares_the_best_under_the_new_metric(tmp_path):
+    run = tmp_path / "run"
+    first = run_cli("train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_accuracy", "train.max_steps=16"),
+                    "--device", "cpu", "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr
+    again = run_cli("train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_loss", "train.max_steps=0"),
+                    "--device", "cpu", "--run-dir", str(run), "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert "checkpoint.monitor changed from val_accuracy to val_loss" in (run / "train.log").read_text()
+    val = rows(run, "val")
+    lowest = min(val, key=lambda r: r["loss"])["step"]
+    best = torch.load(run / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == lowest, ([(r["step"], r["loss"]) for r in val], best["step"])
+
+
+def test_early_stopping_restores_its_best_weights_after_a_resume(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    es = sets("train.epochs=8", "train.early_stopping=2")
+    r = run_cli("train", "mnist", *S, *es, "--device", "cpu", "--run-dir", str(whole))
+    assert r.returncode == 0, r.stderr
+    stopped = rows(whole, "summary")[-1]["steps"]
+    best = int(next(line for line in (whole / "train.log").read_text().splitlines() if "early stopping" in line)
+               .split(" at step ")[1].split(";")[0])
+    assert best < stopped - 8, "the data must make early stopping wait past the best validation"
+    r = run_cli("train", "mnist", *S, *es, *sets(f"train.max_steps={best + 8}"), "--device", "cpu", "--run-dir", str(parts))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", "mnist", *S, *es, *sets("train.max_steps=0"), "--device", "cpu", "--run-dir", str(parts),
+                "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "its weights restored" in (parts / "train.log").read_text()
+    assert rows(parts, "test")[-1]["loss"] == rows(whole, "test")[-1]["loss"]
