@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -27,7 +28,7 @@ def init(info: DistInfo, backend: str, device: torch.device, timeout_s: int) -> 
         return False
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
+    kwargs: dict[str, Any] = {}  # init_process_group's keywords, each of its own type
     if device.type == "cuda" and backend == "nccl":
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -67,7 +68,7 @@ def rendezvous(info: DistInfo, host: str, port: int, timeout_s: int):
     if info.rank == 0:
         in_use = RendezvousError(f"rank 0: port {port} on {host} is in use by another program, so the job's rendezvous "
                                  f"cannot open there; set MASTER_PORT to a free port (the same for every task).")
-        extra = {}
+        extra: dict[str, Any] = {}
         if _is_loopback(host):  # torch's store listens on every interface unless handed a socket bound here
             try:
                 extra["master_listen_fd"] = _listen_on(host, port).fileno()
