@@ -4,7 +4,6 @@ import torch
 from brickyard import models
 from brickyard.errors import ConfigError
 
-
 # the models whose step takes seconds on a CPU core (vit_small 9 s, vgg16 8 s, resnet50 6 s) stay out of the fast tier
 SLOW_STEP = ("resnet18", "resnet18_imagenet", "resnet50", "vgg16", "vit_tiny", "vit_small")
 
