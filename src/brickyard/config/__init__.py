@@ -15,10 +15,25 @@ from pathlib import Path
 import yaml
 
 from brickyard.config.checks import cross_check  # noqa: F401
-from brickyard.config.schema import (BoostConfig, CheckpointConfig, Config, DataConfig, DimReduceConfig,  # noqa: F401
-                                     DistConfig, FinetuneConfig, ModelConfig, OptimConfig, ParamGroupRule, PSConfig,
-                                     ScheduleConfig, SnapshotConfig, SyntheticConfig, TrainConfig, per_device_wins,
-                                     switch_optimiser)
+from brickyard.config.schema import (  # noqa: F401
+    BoostConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DimReduceConfig,
+    DistConfig,
+    FinetuneConfig,
+    ModelConfig,
+    OptimConfig,
+    ParamGroupRule,
+    PSConfig,
+    ScheduleConfig,
+    SnapshotConfig,
+    SyntheticConfig,
+    TrainConfig,
+    per_device_wins,
+    switch_optimiser,
+)
 from brickyard.config.values import MAX_BASES, MAX_BYTES, MAX_DEPTH, bounded, make
 from brickyard.errors import ConfigError
 from brickyard.files import write_atomic, write_if_changed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Union
@@ -165,7 +166,7 @@ def _check_range(key: str, value, coerced, meta) -> None:
     if isinstance(coerced, int) and not isinstance(coerced, bool) and hi is None:
         hi = MAX_INT  # what every counter, size and seed here can use (torch and numpy take 32-bit values)
     if isinstance(coerced, (int, float)) and not isinstance(coerced, bool):
-        if coerced != coerced or coerced in (float("inf"), float("-inf")):
+        if isinstance(coerced, float) and not math.isfinite(coerced):  # an int is finite (and may exceed a float)
             raise ConfigError(f"{key}: {value!r} is not allowed; give a finite number.")
         if lo is not None and coerced < lo:
             raise ConfigError(f"{key}: {value!r} is below the minimum {lo}.")
@@ -180,7 +181,7 @@ def _number(value) -> float | None:
         number = float(value.strip().replace("_", ""))
     except ValueError:
         return None
-    return number if number == number and abs(number) != float("inf") else None
+    return number if math.isfinite(number) else None
 
 
 def _coerce(value, allowed_types):
