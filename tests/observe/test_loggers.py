@@ -198,6 +198,7 @@ def test_csv_writes_a_row_per_validation_and_a_resume_drops_the_rows_past_its_st
     assert [x.rsplit(",", 1)[0] for x in lines[1:]] == ["8,1.0,0.1,0.5,0.4,0.9,1.0", "16,2.0,0.05,0.25,0.2,0.95,1.0"]
     fan = Loggers([CSV()])
     fan.start(info(tmp_path, step=8))
+    fan.write(kind="start", step=8)
     fan.finish(True)
     assert (tmp_path / "metrics.csv").read_text().splitlines() == lines[:2]
 

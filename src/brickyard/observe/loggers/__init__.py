@@ -94,17 +94,17 @@ class Logger(ABC):
     timeout_s: float | None = None
     start_timeout_s: float | None = None
 
-    def start(self, run: RunInfo) -> None:
+    def start(self, run: RunInfo) -> None:  # noqa: B027  optional, unlike log
         """Called once before the first row."""
 
     @abstractmethod
     def log(self, row: dict) -> None:
         """One row: ``{"kind": ..., "step": ..., "time": ..., values}``."""
 
-    def log_histograms(self, step: int, tensors: dict) -> None:
+    def log_histograms(self, step: int, tensors: dict) -> None:  # noqa: B027  optional, unlike log
         """Weight and gradient histograms at ``step`` (``train.histograms_every``); most loggers ignore them."""
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, ok: bool) -> None:  # noqa: B027  optional, unlike log
         """Called once at the end; ``ok`` False after a failure or a stop by a signal."""
 
 

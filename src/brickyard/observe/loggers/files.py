@@ -46,8 +46,8 @@ class JSONL(Logger):
 
 
 class CSV(Logger):
-    """One CSV row per validation: step, epoch, learning rate and training loss of the latest log step, the
-    validation metrics and the seconds since the run's start. Flushed after each row; a resumed run appends, after
+    """One CSV row per validation: step, epoch, learning rate and training loss of the latest log step (empty
+    before the first), the validation metrics and the seconds since the run's first row (its ``start``). Flushed after each row; a resumed run appends, after
     dropping the rows past the step it resumes from (and a line cut by a crash). A relative ``path`` is taken in
     the run directory."""
 
@@ -60,9 +60,13 @@ class CSV(Logger):
 
     def start(self, run: RunInfo) -> None:
         self.path = self.path if self.path.is_absolute() else Path(run.run_dir) / self.path
+        self.step = run.step
+
+    def _open(self) -> None:
+        """At the run's first row (its ``start``): a start refused before then leaves no file."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if run.step and self.path.is_file():
-            drop_rows_after(self.path, run.step)  # a resumed run trains those steps again
+        if self.step and self.path.is_file():
+            drop_rows_after(self.path, self.step)  # a resumed run trains those steps again
         new = not self.path.exists() or self.path.stat().st_size == 0
         self.f = open(self.path, "a", newline="", buffering=1)
         self.writer = csv.writer(self.f)
@@ -71,9 +75,12 @@ class CSV(Logger):
         self.started = time.perf_counter()
 
     def log(self, row: dict) -> None:
+        if self.f is None:
+            with naming(self.path):
+                self._open()
         if row.get("kind") == "train":
             self.lr, self.train_loss = row.get("lr"), row.get("loss")
-        elif row.get("kind") == "val" and self.writer is not None:
+        elif row.get("kind") == "val":
             with naming(self.path):
                 self.writer.writerow([row["step"], row.get("epoch"), self.lr, self.train_loss, row.get("loss"),
                                       row.get("accuracy"), row.get("top5"), round(time.perf_counter() - self.started, 3)])

@@ -124,11 +124,15 @@ class _Tracker(Logger):
         except Exception as e:  # noqa: BLE001  the tracker's own reason, in one sentence
             why = str(e) if isinstance(e, BrickyardError) else reason(e, 240, joined=True)
             raise BrickyardError(f"train.loggers: {self.name} could not start a run{self.where()}: {why}") from None
-        with _IDS:
-            write_json(record, {**saved_ids(record), self.name: self.id})
         self.params(run.hyperparameters)
+        self.recorded = False
 
     def log(self, row: dict) -> None:
+        if not self.recorded:  # at the run's first row: a start refused later (another logger's) leaves no record
+            with _IDS:
+                record = self.run_dir / "trackers.json"
+                write_json(record, {**saved_ids(record), self.name: self.id})
+            self.recorded = True
         values = metrics_of(row)
         if values and isinstance(row.get("step"), int):
             self.step = max(self.step, row["step"])
@@ -196,10 +200,13 @@ class Wandb(_Tracker):
     def open(self, saved: str | None) -> None:
         import wandb  # optional dependency (brickyard[wandb]), loaded when a run asks for it
         folder = os.environ.get("WANDB_DIR") or str(self.run_dir)
-        if "WANDB_DIR" in os.environ and not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
-            # wandb itself would write to a fallback folder and say nothing
-            raise BrickyardError(f"WANDB_DIR={folder} is not a folder this process can write to; make it, or point "
-                                 f"WANDB_DIR at one")
+        try:
+            os.makedirs(folder, exist_ok=True)  # as wandb does
+            usable = os.access(folder, os.W_OK | os.X_OK)
+        except OSError:
+            usable = False
+        if not usable:  # wandb itself would write to a fallback folder and say nothing
+            raise BrickyardError(f"WANDB_DIR={folder} is not a folder this process can write to; point WANDB_DIR at one")
         self.id = saved or uuid.uuid4().hex[:12]  # a W&B run id: letters and digits
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brickyard"), name=self.run_dir.name, id=self.id,
                               resume="allow", dir=folder, reinit="finish_previous")
