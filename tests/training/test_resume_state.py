@@ -46,3 +46,25 @@ def test_early_stopping_restores_its_best_weights_after_a_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "its weights restored" in (parts / "train.log").read_text()
     assert rows(parts, "test")[-1]["loss"] == rows(whole, "test")[-1]["loss"]
+
+
+FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "run-0.2.0"
+EMA_KEY, ES_KEY = "EMA{'decay': 0.99}", "EarlyStopping{'monitor': 'val_loss', 'min_delta': 0.0}"
+
+
+def test_a_checkpoint_whose_callback_states_hold_tensors_is_one_sentence(tmp_path):
+    """Checked when the run is resumed, before any step: never a crash report mid-run."""
+    import shutil
+
+    from brickyard.files import write_torch
+    state = torch.load(FIXTURE / "checkpoints" / "step-0000008.pt", weights_only=True)
+    es = state["callbacks"][ES_KEY]
+    for i, callbacks in enumerate([torch.zeros(3), {EMA_KEY: torch.zeros(2)}, {ES_KEY: {**es, "best": torch.ones(1)}},
+                                   {ES_KEY: torch.ones(2, 2)}, {EMA_KEY: {"avg": [torch.zeros(2)]}, ES_KEY: es}]):
+        run = tmp_path / f"r{i}"
+        shutil.copytree(FIXTURE, run)
+        write_torch({**state, "callbacks": callbacks}, run / "checkpoints" / "step-0000008.pt")
+        r = run_cli("train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "auto")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), (i, r.stderr[-1500:])
+        assert "crashed" not in r.stderr and ("checkpoint" in lines[0] or "EMA" in lines[0]), (i, lines)

@@ -7,7 +7,7 @@ import torch
 
 from brickyard.callbacks.base import Callback
 from brickyard.distributed.fsdp import full, like
-from brickyard.errors import ConfigError
+from brickyard.errors import CheckpointError, ConfigError
 
 
 class EMA(Callback):
@@ -24,6 +24,9 @@ class EMA(Callback):
 
     def on_train_start(self, run):
         self.live = list(run.model.parameters()) + list(run.model.buffers())  # updated in place, so kept once
+        if self.avg is not None and (len(self.avg) != len(self.live) or any(
+                tuple(a.shape) != tuple(w.shape) for a, w in zip(self.avg, self.live))):
+            raise CheckpointError("EMA: the averaged weights saved in the checkpoint do not fit this model.")
         self.avg = ([t.detach().clone() for t in self.live] if self.avg is None
                     else [like(a, t) for a, t in zip(self.avg, self.live)])
         self.floats = [(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()]
@@ -56,7 +59,10 @@ class EMA(Callback):
         return {"decay": self.decay, "avg": [full(a) for a in self.avg]} if self.avg is not None else {}  # FSDP: gathered
 
     def load_state_dict(self, state):
-        self.avg = list(state["avg"]) if state.get("avg") is not None else None
+        avg = state.get("avg")
+        if avg is not None and not (isinstance(avg, (list, tuple)) and all(isinstance(a, torch.Tensor) for a in avg)):
+            raise ValueError(f"EMA: {str(state)[:120]} is not its state")
+        self.avg = list(avg) if avg is not None else None
 
 
 def _copy(dst, src) -> None:

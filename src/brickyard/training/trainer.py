@@ -175,9 +175,14 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if state.get("boost"):
             self.update.load_state_dict(state["boost"])
+        saved = state.get("callbacks")
+        if saved is not None and not isinstance(saved, dict):
+            raise CheckpointError(f"checkpoint {path}: its callbacks' state is a {type(saved).__name__}, not a mapping.")
         try:  # a state a callback does not take (a damaged or foreign checkpoint) is said here, not met mid-run
-            self.callbacks.load_state_dict(state.get("callbacks") or {})
-        except (ValueError, TypeError, KeyError) as err:
+            self.callbacks.load_state_dict(saved or {})
+        except BrickyardError:
+            raise
+        except Exception as err:  # noqa: BLE001  any state is a stranger's: a tensor where a mapping was saved
             raise CheckpointError(f"checkpoint {path}: a callback's saved state does not fit it ({reason(err)}).") from err
         ckpt.set_rng_state(state["rng"], run.device)
         run.step = int(state["step"])
