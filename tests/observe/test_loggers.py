@@ -73,7 +73,8 @@ def test_the_registry_lists_the_built_ins_and_says_what_is_unknown_or_missing(mo
         loggers.check(["csv", "neptune"])
     real = loggers.importlib.util.find_spec
     monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
-    with pytest.raises(ConfigError, match=r"^train.loggers: mlflow needs the mlflow package: pip install 'brickyard\[mlflow\]'\.$"):
+    with pytest.raises(ConfigError, match=r"^train.loggers: mlflow needs the mlflow package: pip install "
+                                          r"'brickyard\[mlflow\]'\.$"):
         loggers.check(["mlflow"])
     made = loggers.create("jsonl")
     assert isinstance(made, JSONL) and made.name == "jsonl" and isinstance(loggers.create("csv"), CSV)

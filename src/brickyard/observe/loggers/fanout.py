@@ -121,8 +121,8 @@ class Loggers:
         if not self.loggers:
             return
         row.setdefault("time", round(time.time(), 3))
-        for lg in list(self.loggers):
-            self._call(lg, lg.log, row if lg.essential else dict(row))  # a copy: a logger that changes its row changes no other's
+        for lg in list(self.loggers):  # a user's logger gets a copy: one that changes its row changes no other's
+            self._call(lg, lg.log, row if lg.essential else dict(row))
 
     def histograms(self, step: int, model) -> None:
         """Weight and gradient histograms of ``model`` for the loggers that take them (copies on the CPU)."""

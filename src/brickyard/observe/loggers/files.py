@@ -47,9 +47,9 @@ class JSONL(Logger):
 
 class CSV(Logger):
     """One CSV row per validation: step, epoch, learning rate and training loss of the latest log step (empty
-    before the first), the validation metrics and the seconds since the run's first row (its ``start``). Flushed after each row; a resumed run appends, after
-    dropping the rows past the step it resumes from (and a line cut by a crash). A relative ``path`` is taken in
-    the run directory."""
+    before the first), the validation metrics and the seconds since the run's first row (its ``start``). Flushed
+    after each row; a resumed run appends, after dropping the rows past the step it resumes from (and a line cut by
+    a crash). A relative ``path`` is taken in the run directory."""
 
     essential = True
     COLUMNS = ("step", "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "val_top5", "seconds")
