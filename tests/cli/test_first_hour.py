@@ -157,3 +157,17 @@ def test_a_run_that_stops_learning_says_so_and_can_end_there(tmp_path):
     assert list((tmp_path / "stop" / "checkpoints").glob("step-*.pt"))  # what it had is kept
     healthy = run_cli("train", *sets(*SYNTH, "train.epochs=4", "train.log_every=4"), "--run-dir", str(tmp_path / "ok"))
     assert healthy.returncode == 0 and "not learning" not in healthy.stderr
+
+
+def test_resume_auto_with_no_run_and_no_config_is_one_sentence(tmp_path):
+    """A 2-process run stopped before config.yaml was written leaves logs/ and train.log only; `--resume auto`
+    there with no config named must not train the default preset on real MNIST."""
+    run = tmp_path / "r"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "workerlog.0").write_text("started\n")
+    (run / "train.log").write_text("started\n")
+    r = run_cli("train", "--run-dir", str(run), "--resume", "auto")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: --resume: {run} holds no config.yaml of a run to continue; name the config"), r.stderr
+    assert sorted(p.name for p in run.rglob("*")) == ["logs", "train.log", "workerlog.0"]
+    assert (run / "train.log").read_text() == "started\n"
