@@ -27,11 +27,12 @@ from torch import nn
 from brickyard import models
 from brickyard.errors import BrickyardError, reason
 from brickyard.files import write_atomic
+from brickyard.tools.onnx_file import META, OnnxModel
 from brickyard.training import checkpoint as ckpt
 from brickyard.training.checkpoint import check_model
 
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "torch-export": ".pt2", "onnx": ".onnx"}
-_META = "brickyard.json"
+_META = META
 ONNX_OPSET = 18
 ONNX_RTOL, ONNX_ATOL = 1e-3, 1e-4  # fp32 logits of onnxruntime against PyTorch's: kernels sum in other orders
 
@@ -144,24 +145,6 @@ def _check_onnx(data: bytes, program: nn.Module, meta: dict) -> str:
             f"atol {ONNX_ATOL} (largest difference {worst:.1e}); opset {ONNX_OPSET}")
 
 
-class OnnxModel(nn.Module):
-    """An exported ONNX file run by onnxruntime, called like the program it was exported from."""
-
-    def __init__(self, path: Path):
-        super().__init__()
-        try:  # optional dependency
-            import onnxruntime as ort
-        except ImportError:
-            raise BrickyardError(f"{path}: running an ONNX model needs onnxruntime: pip install 'brickyard[onnx]'.") from None
-        self.runtime = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        props = self.runtime.get_modelmeta().custom_metadata_map
-        self.meta = json.loads(props.get(_META, "{}"))
-        self.eval()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.runtime.run(["logits"], {"images": x.detach().float().cpu().numpy()})[0])
-
-
 def _save_safetensors(model: nn.Module, meta: dict, out: Path) -> None:
     try:
         from safetensors.torch import save  # optional dependency
@@ -189,6 +172,32 @@ def refuse_untrusted(path) -> None:
                          f"export it as safetensors (`brickyard export RUN --format safetensors`), which holds weights only.")
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_meta(meta, path) -> None:
+    """brickyard's metadata in an exported file, as ``predict`` reads it; a field of another kind is one sentence."""
+    if not isinstance(meta, dict):
+        raise BrickyardError(f"{path}: its brickyard metadata is a {type(meta).__name__}, not a mapping; export it again.")
+    size = meta.get("image_size")
+    bad = ("name" if not isinstance(meta.get("name"), str) else
+           "num_classes" if not _count(meta.get("num_classes")) else
+           "in_channels" if not _count(meta.get("in_channels")) else
+           "image_size" if not (isinstance(size, list) and len(size) == 2 and all(map(_count, size))) else
+           "classes" if not isinstance(meta.get("classes") or [], list) else None)
+    if bad is None and not meta.get("normalises"):
+        for key in ("mean", "std"):
+            v = meta.get(key)
+            if not (isinstance(v, list) and len(v) in (1, meta["in_channels"])
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+                bad = key
+                break
+    if bad is not None:
+        raise BrickyardError(f"{path}: its brickyard metadata holds {bad} = {repr(meta.get(bad))[:80]}, "
+                             "not what an export writes; export it again.")
+
+
 def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
     """The model (or program) in an exported file and its metadata; a file of another kind is one sentence.
     A safetensors file holds weights only and is always read; a TorchScript or ``.pt2`` program (which
@@ -205,6 +214,7 @@ def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             if not meta.get("name"):
                 raise BrickyardError(f"{path} holds weights without brickyard's metadata; load them with finetune.init_from.")
+            check_meta(meta, path)
             model = models.create(meta["name"], meta["num_classes"], meta["in_channels"], tuple(meta["image_size"]),
                                   **dict(meta.get("options") or {}))
             check_model({"model": tensors, "meta": {"model": meta["name"]}}, model, path, what="")  # a mismatch names its key
@@ -214,12 +224,17 @@ def load_exported(path, trust_code: bool = False) -> tuple[nn.Module, dict]:
             model = OnnxModel(path)
             if not model.meta.get("name"):
                 raise BrickyardError(f"{path} is an ONNX model without brickyard's metadata; run it with onnxruntime directly.")
+            check_meta(model.meta, path)
+            model.check()
             return model, model.meta
         if path.suffix == ".pt2":
-            ep = torch.export.load(str(path), extra_files=extra)
-            return ep.module(), json.loads(extra[_META] or "{}")
-        program = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
-        return program.eval(), json.loads(extra[_META] or "{}")
+            program = torch.export.load(str(path), extra_files=extra).module()
+        else:
+            program = torch.jit.load(str(path), map_location="cpu", _extra_files=extra).eval()
+        meta = json.loads(extra[_META] or "{}")
+        if meta:  # a program without brickyard's metadata runs on tensors as they are
+            check_meta(meta, path)
+        return program, meta
     except BrickyardError:
         raise
     except Exception as e:  # noqa: BLE001  a damaged or foreign file
