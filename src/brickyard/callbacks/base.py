@@ -42,6 +42,8 @@ subclass lists the constructor arguments that matter in ``state_key_fields``.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from brickyard.errors import BrickyardError, ConfigError, is_comm_failure, user_code_error
@@ -85,6 +87,24 @@ class Callback:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def argument(who: str, name: str, value, whole: bool = False, above: float | None = None, least: float | None = None,
+             below: float | None = None):
+    """A callback's numeric argument checked where the user passes it: a real number (a whole one where ``whole``),
+    finite, and within the bounds given; otherwise one sentence naming the callback and the argument (a NaN patience
+    would never stop a run, a string one would fail as a TypeError mid-run)."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if whole:
+        real = real and float(value).is_integer()
+    ok = real and (above is None or value > above) and (least is None or value >= least) and (below is None or value < below)
+    if not ok:
+        kind = "a whole number" if whole else "a finite number"
+        bounds = [f"above {above:g}" if above is not None else "", f"at least {least:g}" if least is not None else "",
+                  f"below {below:g}" if below is not None else ""]
+        where = " and ".join(b for b in bounds if b)
+        raise ConfigError(f"{who}: {name} {value!r} must be {kind}{' ' + where if where else ''}.")
+    return int(value) if whole else value
 
 
 def monitored(metrics: dict, monitor: str, who: str, advice: str = "") -> float:

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from brickyard.callbacks.base import Callback, monitored
+from brickyard.callbacks.base import Callback, argument, monitored
 from brickyard.errors import CheckpointError, ConfigError
 
 
@@ -16,10 +16,12 @@ class EarlyStopping(Callback):
     resumed run restores them as an uninterrupted one does)."""
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, restore_best: bool = True):
-        if not monitor.startswith("val_"):
+        if not isinstance(monitor, str) or not monitor.startswith("val_"):
             raise ConfigError(f"EarlyStopping: monitor {monitor!r} must be a validation metric such as val_loss or val_accuracy.")
-        if patience < 1:
+        if isinstance(patience, (int, float)) and not isinstance(patience, bool) and patience < 1:
             raise ConfigError(f"EarlyStopping: patience {patience} must be at least 1.")
+        patience = argument("EarlyStopping", "patience", patience, whole=True, least=1)
+        min_delta = argument("EarlyStopping", "min_delta", min_delta)
         self.monitor, self.patience, self.min_delta, self.restore_best = monitor, patience, abs(min_delta), restore_best
         self.sign = -1.0 if monitor.endswith("loss") else 1.0  # larger is better after multiplying
         self.best, self.wait, self.best_step, self.best_weights = None, 0, None, None

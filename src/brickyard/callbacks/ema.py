@@ -16,7 +16,7 @@ class EMA(Callback):
     training steps use the raw weights, which every step checkpoint keeps for an exact resume."""
 
     def __init__(self, decay: float = 0.999):
-        if not 0.0 < decay < 1.0:
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 < decay < 1.0:
             raise ConfigError(f"EMA: decay {decay} must be between 0 and 1, e.g. 0.999.")
         self.decay, self.avg = decay, None
 

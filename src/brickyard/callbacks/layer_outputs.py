@@ -21,7 +21,7 @@ import fnmatch
 
 import torch
 
-from brickyard.callbacks.base import Callback
+from brickyard.callbacks.base import Callback, argument
 from brickyard.errors import ConfigError
 
 
@@ -29,8 +29,8 @@ class LayerOutputs(Callback):
     def __init__(self, patterns, every: int = 100, keep: int = 10, to_cpu: bool = True):
         if isinstance(patterns, str):
             patterns = [patterns]
-        if int(every) < 1 or int(keep) < 1:
-            raise ConfigError("LayerOutputs: every and keep must be at least 1.")
+        every = argument("LayerOutputs", "every", every, whole=True, least=1)
+        keep = argument("LayerOutputs", "keep", keep, whole=True, least=1)
         self.patterns, self.every, self.keep, self.to_cpu = list(patterns), int(every), int(keep), to_cpu
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks: list = []

@@ -11,8 +11,8 @@ class MaxTime(Callback):
     """Stop once the training loop has run ``seconds`` (wall clock from the first step, evaluation included)."""
 
     def __init__(self, seconds: float):
-        if not seconds > 0:
-            raise ConfigError(f"MaxTime: seconds {seconds} must be positive.")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+            raise ConfigError(f"MaxTime: seconds {seconds!r} must be a positive number.")
         self.seconds, self.start = float(seconds), None
 
     def on_train_start(self, run):

@@ -32,15 +32,15 @@ class ReduceLROnPlateau(Callback):
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, min_delta: float = 1e-4,
                  cooldown: int = 0, min_lr: float = 0.0):
-        if monitor not in MONITORS:
+        if not isinstance(monitor, str) or monitor not in MONITORS:
             raise ConfigError(f"ReduceLROnPlateau: monitor {monitor!r} is not one of {', '.join(MONITORS)}.")
-        if not 0 < factor < 1:
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < 1:
             raise ConfigError(f"ReduceLROnPlateau: factor {factor!r} must lie between 0 and 1 (the rate is multiplied "
                               f"by it).")
         for name, value in (("patience", patience), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"ReduceLROnPlateau: {name} {value!r} must be a whole number of validations, 0 or more.")
-        if not min_delta >= 0 or not min_lr >= 0:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (min_delta, min_lr)):
             raise ConfigError(f"ReduceLROnPlateau: min_delta ({min_delta!r}) and min_lr ({min_lr!r}) must be 0 or more.")
         self.monitor, self.factor, self.patience, self.min_delta = monitor, factor, patience, min_delta
         self.cooldown, self.min_lr = cooldown, min_lr
@@ -98,6 +98,9 @@ def check(cfg, callbacks, data) -> None:
     given = [cb for cb in callbacks if isinstance(cb, ReduceLROnPlateau)]
     if cfg.schedule.name != "plateau" and not given:
         return
+    if given and cfg.schedule.name == "plateau":
+        raise ConfigError("schedule.name: plateau adds a ReduceLROnPlateau of its own (schedule.monitor, gamma, patience), "
+                          "and callbacks holds another; keep one of them.")
     if given and cfg.schedule.name == "none":
         raise ConfigError("ReduceLROnPlateau scales brickyard's learning-rate schedule, and schedule.name none leaves the "
                           "rates to a scheduler of your own: give torch's ReduceLROnPlateau to that, or pick a schedule.")

@@ -31,7 +31,7 @@ class Split:
     labels: torch.Tensor | None = None
     dataset: torch.utils.data.Dataset | None = None
     draw: Draw | None = None  # training: how an epoch's indices are drawn (None: a permutation of every sample)
-    collate: object = None  # a DataLoader's own collate_fn (``loaders.UserCollate``): the dataset's items as it batches them
+    collate: object = None  # a DataLoader's own collate_fn (``adapters.UserCollate``): the dataset's items as it batches them
     worker_init: object = None  # a DataLoader's worker_init_fn: called in each loader worker process, as torch calls it
 
     def __len__(self) -> int:
