@@ -318,3 +318,16 @@ def test_a_shared_cache_serves_a_second_user_and_is_never_deleted_for_permission
         assert "cannot be read: permission denied" in r.stdout, r.stdout + r.stderr
     finally:
         shutil.rmtree(shared)
+
+
+@pytest.mark.fast
+def test_a_line_that_is_not_a_row_is_said_as_such_not_as_a_row_past_the_step(tmp_path):
+    from brickyard.training.rundir import RunDir
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "start", "step": 0}\n{"kind": "train", "step": 5}\nnot json\n{"kind": "val", "step": 8}\n'
+                    '{"kind": "train", "step": 20}\n')
+    said = RunDir(tmp_path, True).repair(16)
+    assert said == ["dropped 1 metrics.jsonl row(s) past step 16 (they are trained again)",
+                    "dropped 1 metrics.jsonl line(s) that were not JSON rows (line 3: cut by a crash or written by "
+                    "something else)"]
+    assert path.read_text() == '{"kind": "start", "step": 0}\n{"kind": "train", "step": 5}\n{"kind": "val", "step": 8}\n'

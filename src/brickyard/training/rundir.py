@@ -174,9 +174,13 @@ class RunDir:
             removed = remove_stale_temps(folder, lambda name: bool(_OURS.match(name)))
             if removed:
                 done.append(f"removed {len(removed)} temporary file(s) of interrupted writes in {folder}")
-        dropped = repair_metrics(self.path / "metrics.jsonl", step)
-        if dropped:
-            done.append(f"dropped {dropped} metrics.jsonl row(s) past step {step} (they are trained again)")
+        past, unreadable = metrics_repair(self.path / "metrics.jsonl", step)
+        if past:
+            done.append(f"dropped {past} metrics.jsonl row(s) past step {step} (they are trained again)")
+        if unreadable:
+            lines = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+            done.append(f"dropped {len(unreadable)} metrics.jsonl line(s) that were not JSON rows (line {lines}: cut by "
+                        f"a crash or written by something else)")
         return done
 
     def save_config(self, cfg: Config) -> bool:
@@ -207,24 +211,33 @@ def _read_holder(fd: int) -> str:
 
 def repair_metrics(path: Path, step: int) -> int:
     """Keep the rows of ``metrics.jsonl`` at or before ``step`` (and those without a step); drop a line that
-    is not a JSON object (cut by a crash). Rewritten atomically, only when something goes; returns how many went."""
+    is not a JSON object (cut by a crash, or written by something else). Rewritten atomically, only when
+    something goes; returns how many lines went (``metrics_repair`` says which)."""
+    past, unreadable = metrics_repair(path, step)
+    return past + len(unreadable)
+
+
+def metrics_repair(path: Path, step: int) -> tuple[int, list[int]]:
+    """``repair_metrics``: (rows past ``step`` dropped, the line numbers of lines that were not JSON rows)."""
     if not path.is_file():
-        return 0
+        return 0, []
     raw = path.read_bytes()
-    keep, dropped = [], 0
-    for line in raw.split(b"\n"):
+    keep, past, unreadable = [], 0, []
+    for number, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError:
-            dropped += 1
+            row = None
+        if not isinstance(row, dict):
+            unreadable.append(number)
             continue
-        s = row.get("step") if isinstance(row, dict) else None
-        if not isinstance(row, dict) or (isinstance(s, (int, float)) and s > step):
-            dropped += 1
+        s = row.get("step")
+        if isinstance(s, (int, float)) and s > step:
+            past += 1
             continue
         keep.append(line)
-    if dropped or (raw and not raw.endswith(b"\n")):  # the next row must not be glued onto a cut one
+    if past or unreadable or (raw and not raw.endswith(b"\n")):  # the next row must not be glued onto a cut one
         write_atomic(path, b"".join(x + b"\n" for x in keep))
-    return dropped
+    return past, unreadable
