@@ -240,25 +240,50 @@ def _confusion(confusion, path: Path) -> Path:
     return path
 
 
-def _misclassified(source: Path, path: Path) -> Path:
-    """One mosaic, each tile scaled up and labelled 'true>predicted'."""
+MOSAIC = 36  # tiles at most: a run keeps 36 test errors (training/evaluation.py)
+TILE_MAX = 256  # a tile's longest side in pixels: larger images are shown smaller
 
+
+def _errors(source: Path) -> tuple[torch.Tensor, list[int], list[int], list]:
+    """``test_errors.pt`` checked before use: images N x C x H x W, ``true`` and ``pred`` N integer labels each,
+    ``classes`` a list; anything else is one sentence. The first ``MOSAIC`` errors only."""
     e = read_torch(source, "test errors")
     if not isinstance(e, dict) or not {"images", "true", "pred", "classes"} <= set(e):
         raise BrickyardError(f"test errors {source} is not what a run writes there (images, true, pred, classes).")
-    images, true, pred, classes = e["images"].float(), e["true"].tolist(), e["pred"].tolist(), e["classes"]
+    images, true, pred, classes = e["images"], e["true"], e["pred"], e["classes"]
+    n = len(images) if isinstance(images, torch.Tensor) and images.dim() == 4 else -1
+    labels = all(isinstance(t, torch.Tensor) and t.dim() == 1 and len(t) == n and not t.is_floating_point()
+                 and not t.is_complex() and t.dtype != torch.bool for t in (true, pred))
+    if n < 1 or images.is_complex() or images.dtype == torch.bool or min(images.shape) < 1 or not labels \
+            or not isinstance(classes, list):
+        shape = "x".join(map(str, images.shape)) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise BrickyardError(f"test errors {source} holds images {shape}, {_what(true)} true and {_what(pred)} pred "
+                             f"labels; a run writes N x C x H x W images and N integer labels of each.")
+    return images[:MOSAIC], true[:MOSAIC].tolist(), pred[:MOSAIC].tolist(), classes
+
+
+def _what(t) -> str:
+    return f"{len(t)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) and t.dim() == 1 else \
+        ("x".join(map(str, t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__)
+
+
+def _misclassified(source: Path, path: Path) -> Path:
+    """One mosaic of the first ``MOSAIC`` errors, each tile scaled up (or down to ``TILE_MAX``) and labelled
+    'true>predicted'."""
+    raw, true, pred, classes = _errors(source)
+    images = raw.float()
     n, c, h, w = images.shape
-    if e["images"].dtype != torch.uint8:
+    if raw.dtype != torch.uint8:
         lo, hi = images.amin((1, 2, 3), keepdim=True), images.amax((1, 2, 3), keepdim=True)
         images = (images - lo) / (hi - lo).clamp(min=1e-6) * 255
-    scale = max(1, 84 // max(h, w))
-    cols, th, tw, label = 6, h * scale, w * scale, 18
+    scale = max(1, 84 // max(h, w)) if max(h, w) <= TILE_MAX else TILE_MAX / max(h, w)
+    cols, th, tw, label = 6, max(1, round(h * scale)), max(1, round(w * scale)), 18
     rows = max(1, (n + cols - 1) // cols)
     img = Image.new("RGB", (cols * (tw + 10) + 10, 30 + rows * (th + label + 8)), "white")
     d = ImageDraw.Draw(img)
     font, small = _font(13), _font(11)
     d.text((img.width / 2, 8), "misclassified test images (true>predicted)", fill="black", font=font, anchor="mt")
-    name = lambda i: str(classes[i]) if i < len(classes) else str(i)  # noqa: E731
+    name = lambda i: str(classes[i]) if 0 <= i < len(classes) else str(i)  # noqa: E731
     pixels = images.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     for k in range(n):
         r, q = divmod(k, cols)
