@@ -6,6 +6,10 @@ from pathlib import Path
 
 from brickyard.errors import BrickyardError
 
+# what `main` advises when the host's memory runs out during this command (it trains nothing: no batch size)
+MEMORY_ADVICE = "try a smaller --jpeg or --max-size (pixels a side), or --limit"
+LARGEST = 4096  # pixels a side of a written image: a 4096 x 4096 RGB image is 50 MB in memory
+
 EXAMPLES = """examples:
   brickyard data fetch mnist
   brickyard data info fashion-mnist
@@ -51,6 +55,9 @@ def run(args) -> int:
     if args.data_command == "export":
         if args.limit < 0 or args.jpeg < 0:
             raise BrickyardError("data export: --limit and --jpeg are 0 (all images; PNG at their own size) or more.")
+        if args.jpeg > LARGEST:
+            raise BrickyardError(f"data export: --jpeg {args.jpeg} is past {LARGEST} pixels a side; MNIST's 28 pixels "
+                                 f"upscaled further hold nothing new.")
         from brickyard.data.export import export_idx
         counts = export_idx(args.name, Path(args.out), args.root, args.limit, args.jpeg)
         kind = f"{args.jpeg}x{args.jpeg} RGB JPEG" if args.jpeg else "PNG"
@@ -96,6 +103,8 @@ def _photos(args) -> int:
     if args.classes < 2 or min(args.per_class) < 1 or not 16 <= args.min_size <= args.max_size:
         raise BrickyardError("data make-photos: --classes must be at least 2, every --per-class count at least 1, "
                              "and 16 <= --min-size <= --max-size.")
+    if args.max_size > LARGEST:
+        raise BrickyardError(f"data make-photos: --max-size {args.max_size} is past {LARGEST} pixels a side.")
     prepare_folder(Path(args.out), {"command": "data make-photos", "classes": args.classes, "per_class": list(args.per_class),
                                     "seed": args.seed, "min_size": args.min_size, "max_size": args.max_size})
     counts = make_photo_folder(Path(args.out), args.classes, dict(zip(("train", "val", "test"), args.per_class)),

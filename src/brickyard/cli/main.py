@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         _say(os_error(e), 1)
         return 1
     except MemoryError as e:  # the host's memory, before a run could explain it (building a model, loading data)
-        _say(f"out of host memory ({_first_line(e)}); try a smaller model, data.batch_size or data.cache: none.", 1)
+        advice = _memory_advice(args.command) or "try a smaller model, data.batch_size or data.cache: none"
+        _say(f"out of host memory ({_first_line(e)}); {advice}.", 1)
         return 1
     except Exception as e:  # noqa: BLE001  a bug of brickyard's (or torch's): one line here, the traceback kept
         if type(e).__name__ == "OutOfMemoryError":  # torch's, outside a run (the run explains its own)
@@ -123,13 +124,19 @@ def main(argv=None) -> int:
             return 1
         asked = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(e))
         if asked:  # torch's host allocator, outside a run: a data set or a model sized past the host's memory
-            _say(f"out of host memory: {int(asked.group(1)) / 1e9:,.1f} GB asked for at once; try a smaller model, "
-                 f"data set or data.batch_size.", 1)
+            advice = _memory_advice(args.command) or "try a smaller model, data set or data.batch_size"
+            _say(f"out of host memory: {int(asked.group(1)) / 1e9:,.1f} GB asked for at once; {advice}.", 1)
             return 1
         where = getattr(e, "logged_in", None) or [_save_traceback(e)]
         print(f"error: brickyard crashed ({type(e).__name__}: {_first_line(e)}); the traceback is in "
               f"{' and '.join(where)}; please report it.", file=sys.stderr)
         return 1
+
+
+def _memory_advice(command: str) -> str | None:
+    """What a command that runs no training says to try when the host's memory runs out (its module's
+    ``MEMORY_ADVICE``), or None: then the batch size and the cache, which a run's data sets."""
+    return getattr(sys.modules.get(f"brickyard.cli.{MODULES[command]}"), "MEMORY_ADVICE", None)
 
 
 def _first_line(e: BaseException) -> str:

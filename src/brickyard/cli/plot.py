@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+# what `main` advises when the host's memory runs out during this command (it trains nothing: no batch size)
+MEMORY_ADVICE = "the plots read the run's metrics.jsonl and test_errors.pt whole; check that they are a run's own"
+
 
 def add(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# what `main` advises when the host's memory runs out during this command (it trains nothing: no batch size)
+MEMORY_ADVICE = "give fewer or smaller inputs at a time (every input is read before the model runs)"
+
 
 def add(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
