@@ -4,7 +4,9 @@
 CUDA kernels on a GPU run) and writes ``out_dir/rank<R>.<pid>.pt.trace.json`` when the last one ends:
 the file name TensorBoard's ``torch-tb-profiler`` plugin looks for under its ``--logdir``, in the
 Chrome trace format that ``chrome://tracing`` and https://ui.perfetto.dev open. Each step is marked
-(``ProfilerStep#N``). Used by ``train.profile_steps`` (a callback) and ``brickyard bench --profile DIR``.
+(``ProfilerStep#N``). A run that starts inside the range (resumed there) records from its first step;
+``began`` and ``recorded_to`` say which steps a trace holds. Used by ``train.profile_steps`` (a callback)
+and ``brickyard bench --profile DIR``.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ class StepProfiler:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = None
         self.path: Path | None = None
+        self.began: int | None = None        # the first step recorded
+        self.recorded_to: int | None = None  # the last step recorded so far
 
     def step_start(self, step: int) -> None:
-        if step == self.first and self.prof is None and self.path is None:
+        if self.first <= step < self.last and self.prof is None and self.began is None:
+            self.began = step
             plan = self._plan  # a schedule, so that each step is marked ProfilerStep#<the run's step>
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "no warm-up steps": the steps asked for are the ones recorded
@@ -52,6 +57,7 @@ class StepProfiler:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.prof.step()  # after the last recorded step this writes the trace (``_write``)
+        self.recorded_to = step
         if step + 1 >= self.last:
             self.close()
 
