@@ -99,7 +99,7 @@ def test_a_users_config_in_the_run_directory_is_never_replaced(tmp_path):
     r = run_cli("train", "config.yaml", *sets(*SYNTH), "--run-dir", ".", cwd=exp)
     assert r.returncode == 2 and "holds a config.yaml that brickyard did not write" in r.stderr, r.stderr
     assert (exp / "config.yaml").read_text() == mine
-    assert sorted(p.name for p in exp.iterdir()) == [".lock", "config.yaml"]
+    assert sorted(p.name for p in exp.iterdir()) == ["config.yaml"]  # a refused start leaves no lock file in a folder of the user's
     # a run directory beside it is fine, and its config.yaml says what wrote it
     r = run_cli("train", "config.yaml", *sets(*SYNTH, "train.epochs=1"), "--run-dir", "runs/a", cwd=exp)
     assert r.returncode == 0, r.stderr
@@ -331,3 +331,17 @@ def test_a_line_that_is_not_a_row_is_said_as_such_not_as_a_row_past_the_step(tmp
                     "dropped 1 metrics.jsonl line(s) that were not JSON rows (line 3: cut by a crash or written by "
                     "something else)"]
     assert path.read_text() == '{"kind": "start", "step": 0}\n{"kind": "train", "step": 5}\n{"kind": "val", "step": 8}\n'
+
+
+@pytest.mark.fast
+def test_a_refused_start_in_a_users_folder_leaves_no_lock_file(tmp_path):
+    from brickyard.errors import BrickyardError
+    from brickyard.training.rundir import LOCK, RunDir
+    (tmp_path / "config.yaml").write_text("my: own\n")
+    with pytest.raises(BrickyardError, match="holds a config.yaml that brickyard did not write"):
+        RunDir(tmp_path, True).lock(None, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    (tmp_path / LOCK).write_text("")  # a lock file that was there before stays
+    with pytest.raises(BrickyardError):
+        RunDir(tmp_path, True).lock(None, False)
+    assert (tmp_path / LOCK).exists()

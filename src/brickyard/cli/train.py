@@ -45,7 +45,7 @@ def run(args) -> int:
     notes: list[str] = []
     cfg = load_config(args.config or "mnist", overrides, notes=notes)
     if args.resume and args.run_dir:
-        cfg = resume_config(args.run_dir, args.config, overrides)
+        cfg = resume_config(args.run_dir, args.config, overrides, auto=args.resume == "auto")  # a file: its run's config
     elif dist.from_env().is_main and "LOCAL_RANK" not in os.environ:  # said once, by the command the user typed
         for note in notes:
             print(f"config: {note}", flush=True)

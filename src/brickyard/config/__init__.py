@@ -198,15 +198,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def resume_config(run_dir, source: str | None, overrides=()) -> Config:
+def resume_config(run_dir, source: str | None, overrides=(), auto: bool = True) -> Config:
     """The config a resumed run continues with: the one saved in ``run_dir`` plus ``overrides``. An
     override (or a named config) that would change the run itself is refused, naming the key."""
     saved_path = Path(run_dir) / "config.yaml"
     if not saved_path.is_file():
-        if source is None:  # the default preset would start a run of its own where one was meant to continue
+        if source is None and auto:  # the default preset would start a run of its own where one was meant to continue
             raise ConfigError(f"--resume: {run_dir} holds no config.yaml of a run to continue; name the config to start "
                               f"one there (`brickyard train CONFIG --run-dir {run_dir} --resume auto`).")
-        return load_config(source, overrides)
+        return load_config(source or "mnist", overrides)
     saved = _read_yaml(saved_path)
     cfg = build(saved, overrides)
     where = f"the run in {run_dir}"

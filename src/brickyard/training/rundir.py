@@ -66,6 +66,7 @@ class RunDir:
     def __init__(self, path: Path, owner: bool):
         self.path, self.owner = Path(path), owner
         self._fd: int | None = None
+        self._made = False  # this process created the lock file
 
     # the lock
 
@@ -78,7 +79,7 @@ class RunDir:
         try:
             self.check_start(resume, restarting)
         except BaseException:
-            self.unlock()
+            self._let_go()
             raise
 
     def claim(self) -> None:
@@ -89,8 +90,15 @@ class RunDir:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, (json.dumps(who) + "\n").encode(), 0)
 
+    def _let_go(self) -> None:
+        """Unlock after a refused start: a lock file this process made goes too (the folder may be the user's own)."""
+        if self._fd is not None and self._made:
+            (self.path / LOCK).unlink(missing_ok=True)  # still held: no other process has it
+        self.unlock()
+
     def _take(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+        self._made = not (self.path / LOCK).exists()
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(self.path / LOCK, flags, file_mode())
@@ -119,7 +127,7 @@ class RunDir:
         try:
             self.check_start(resume, restarting)
         finally:
-            self.unlock()
+            self._let_go()
 
     def unlock(self) -> None:
         if self._fd is not None:
