@@ -5,8 +5,9 @@
 """
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 import torch
@@ -94,8 +95,7 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     if verbose is not None and verbose not in (0, 1, 2):
         raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an "
                           f"epoch).")
-    keras = {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split,
-             "train.eval_every": validation_freq, "train.progress": {0: "none", 1: "bar", 2: "plain"}.get(verbose)}
+    keras = _keras_keywords(epochs, _batch(batch_size), validation_split, validation_freq, verbose)
     overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
@@ -117,6 +117,27 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
                  log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step)
 
 
+def _batch(batch_size):
+    """Keras's ``batch_size`` (the global batch) as ``data.global_batch_size``, where 0 means "data.batch_size on
+    each device": a 0, a negative or a fraction is one sentence, not a run at 256 a device."""
+    if batch_size is None:
+        return None
+    try:
+        n = None if isinstance(batch_size, bool) else operator.index(batch_size)  # int, NumPy's integers
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ConfigError(f"batch_size: {batch_size!r} is not a batch; Keras's batch_size is the global batch, a whole "
+                          f"number of 1 or more.")
+    return n
+
+
+def _keras_keywords(epochs, batch_size, validation_split, validation_freq, verbose) -> dict:
+    """Keras's ``fit`` keywords as the config keys they set (None: not given)."""
+    return {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split,
+            "train.eval_every": validation_freq, "train.progress": {0: "none", 1: "bar", 2: "plain"}.get(verbose)}
+
+
 def _keras_validation(train_data, val_data, validation_data):
     """``val_data``, or Keras's ``validation_data`` in its place (one of them). ``fit(model, x, y)`` as Keras's
     ``model.fit(x, y)`` is written would take ``y`` for the validation data: arrays of one length in both places are
@@ -136,23 +157,54 @@ def _keras_validation(train_data, val_data, validation_data):
 
 
 def _class_weights(given, num_classes: int) -> tuple:
-    """``fit(class_weight=)``: a ``{class: weight}`` mapping as Keras takes it (integer keys; a class left out weighs
-    1, as in Keras's ``class_weight_to_sample_weights``) or a sequence of one weight a class, as the tuple
-    ``optim.class_weights`` holds. A key outside the classes is one sentence (Keras skips it silently)."""
+    """``fit(class_weight=)``: a ``{class: weight}`` mapping as Keras takes it (whole-number keys; a class left out
+    weighs 1, as in Keras's ``class_weight_to_sample_weights``) or a sequence of one weight a class, as the tuple
+    ``optim.class_weights`` holds. Each weight is one number (a 0-d array or tensor is read as its number). A key
+    outside the classes or not a whole number (``1.7``), a weight of several numbers, a table of weights (a 2-D
+    array) and labels without classes (a regression) are one sentence each (Keras skips a key it lacks silently)."""
+    if num_classes < 1:
+        raise ConfigError("class_weight weighs classes, and these labels are floats (a regression) with no classes; "
+                          "leave class_weight out, or weigh the samples in your own loss_fn.")
     if isinstance(given, Mapping):
-        weights = [1.0] * num_classes
+        weights: list = [1.0] * num_classes
         for key, value in given.items():
-            try:
-                k = int(key)
-            except (TypeError, ValueError):
-                raise ConfigError(f"class_weight: the key {key!r} is not a class index.") from None
+            k = _class_index(key)
             if not 0 <= k < num_classes:
                 raise ConfigError(f"class_weight: class {k} is outside the data's classes 0..{num_classes - 1}.")
-            weights[k] = value.item() if hasattr(value, "item") else value
+            weights[k] = _one_weight(value, f"class {k}'s weight")
         return tuple(weights)
-    if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
-        raise ConfigError(f"class_weight: expected {{class: weight}} or one weight a class, got {type(given).__name__}.")
-    return tuple(w.item() if hasattr(w, "item") else w for w in given)
+    shape = tuple(getattr(given, "shape", ()) or ())
+    if isinstance(given, (str, bytes, Set)) or not hasattr(given, "__len__") or len(shape) > 1:
+        got = f"an array of shape {shape}" if len(shape) > 1 else type(given).__name__
+        raise ConfigError(f"class_weight: expected {{class: weight}} or one weight a class, got {got}.")
+    return tuple(_one_weight(w, f"weight {i}") for i, w in enumerate(given))
+
+
+def _class_index(key) -> int:
+    """A ``class_weight`` key as a class index: an integer of any kind, a whole float (``2.0``), digits."""
+    if isinstance(key, bool):
+        raise ConfigError(f"class_weight: the key {key!r} is not a class index.")
+    try:
+        return operator.index(key)  # int, NumPy's integers, a 0-d integer tensor
+    except TypeError:
+        pass
+    if isinstance(key, float) and key.is_integer():
+        return int(key)
+    if isinstance(key, str) and key.strip().isdecimal():
+        return int(key)
+    if isinstance(key, float):  # 1.7 was read as class 1
+        raise ConfigError(f"class_weight: the key {key!r} is not a whole number, so not a class index.")
+    raise ConfigError(f"class_weight: the key {key!r} is not a class index.")
+
+
+def _one_weight(value, what: str):
+    """``value`` as one number: NumPy's scalars and 0-d arrays and tensors give theirs (``optim.class_weights``
+    then checks that it is a finite number, 0 or more); an array of several numbers is one sentence."""
+    shape = getattr(value, "shape", None)
+    if isinstance(value, (list, tuple)) or (shape is not None and len(shape) != 0):
+        got = f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(value).__name__} of {len(value)}"
+        raise ConfigError(f"class_weight: {what} is {got}, not one number.")
+    return value.item() if hasattr(value, "item") else value
 
 
 def build_model(cfg: Config, data: DataBundle) -> nn.Module:
