@@ -1,4 +1,5 @@
-"""``CSVLogger``: one CSV row per validation."""
+"""``CSVLogger``: one CSV row per validation, as a callback (``CSVLogger("val.csv")``); ``train.loggers: [csv]``
+is the ``csv`` logger (``brickyard.observe.loggers.files.CSV``), which writes the same columns from the rows."""
 from __future__ import annotations
 
 import csv
@@ -6,7 +7,8 @@ import time
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
-from brickyard.files import naming, write_atomic
+from brickyard.files import naming
+from brickyard.observe.loggers.files import drop_rows_after
 
 
 class CSVLogger(Callback):
@@ -26,7 +28,7 @@ class CSVLogger(Callback):
         self.path = self.path if self.path.is_absolute() else Path(run.run_dir) / self.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if run.step and self.path.is_file():
-            _drop_rows_after(self.path, run.step)  # a resumed run trains those steps again
+            drop_rows_after(self.path, run.step)  # a resumed run trains those steps again
         new = not self.path.exists() or self.path.stat().st_size == 0
         self.f = open(self.path, "a", newline="", buffering=1)
         self.writer = csv.writer(self.f)
@@ -47,16 +49,3 @@ class CSVLogger(Callback):
             self.f.close()
             self.f = None
 
-
-def _drop_rows_after(path: Path, step: int) -> None:
-    lines = path.read_text(errors="replace").splitlines(keepends=True)
-    keep = lines[:1] + [x for x in lines[1:] if x.endswith("\n") and _step(x) is not None and _step(x) <= step]
-    if keep != lines:
-        write_atomic(path, "".join(keep))
-
-
-def _step(line: str) -> int | None:
-    try:
-        return int(line.split(",", 1)[0])
-    except ValueError:
-        return None

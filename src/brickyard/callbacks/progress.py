@@ -1,5 +1,6 @@
 """``ProgressLog``: the log windows (throughput, data wait, training loss and accuracy read back on log
-steps only), the validation lines, ``metrics.jsonl``, TensorBoard scalars and the progress bar."""
+steps only), the validation lines, the progress bar, and the ``train``, ``val`` and ``epoch`` rows every logger
+gets (``brickyard.observe.loggers``: ``metrics.jsonl``, TensorBoard, the trackers)."""
 from __future__ import annotations
 
 import sys
@@ -18,10 +19,10 @@ class ProgressLog(Callback):
     sets ``run.train_loss`` / ``run.train_accuracy``, which callbacks after it read (``NotLearning``).
     Its windows are differences of what the loop measured (``run.meter``): images, training time, data wait."""
 
-    def __init__(self, run, metrics, tb, input_bound_hint: str | None, guard):
+    def __init__(self, run, loggers, input_bound_hint: str | None, guard):
         self.guard = guard  # the NaN guard (``training.step.guard``): before a loss is read back
         t = run.config.train
-        self.metrics, self.tb, self.hint = metrics, tb, input_bound_hint
+        self.loggers, self.hint = loggers, input_bound_hint  # loggers: ``observe.loggers.fanout.Loggers``
         self.every = t.log_every
         use_bar = run.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stderr.isatty()))
         self.plain = run.is_main and not use_bar and t.progress != "none"
@@ -71,9 +72,8 @@ class ProgressLog(Callback):
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss:.4f}{shown_acc}")
         run.log.info(line, console=self.plain)
-        self.metrics.write(kind="train", step=run.step, epoch=round(run.step / run.steps_per_epoch, 4), loss=loss,
+        self.loggers.write(kind="train", step=run.step, epoch=round(run.step / run.steps_per_epoch, 4), loss=loss,
                            accuracy=acc, lr=run.lr, images_per_second=round(ips, 1), data_wait_fraction=round(wait_frac, 4))
-        self.tb.scalars(run.step, "train", {"loss": loss, "accuracy": acc, "lr": run.lr, "images_per_second": ips})
 
     def on_validation_end(self, run, r):
         # like with like: the training accuracy of the latest steps (since the last log line, else that
@@ -93,14 +93,13 @@ class ProgressLog(Callback):
                          + (f"; {hint}" if hint else ""))
         else:
             run.log.info(f"epoch {epoch:g} step {run.step} val loss {r['loss']:.4f}")
-        self.metrics.write(kind="val", step=run.step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
+        self.loggers.write(kind="val", step=run.step, epoch=epoch, loss=r["loss"], accuracy=r["accuracy"], top5=r["top5"],
                            train_accuracy=train_acc, hint=hint)
-        self.tb.scalars(run.step, "val", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
 
     def on_epoch_end(self, run):
         seconds = run.meter.epoch_seconds[-1]  # training, validation and the stop agreement
         epoch = round(run.step / run.steps_per_epoch, 4)
-        self.metrics.write(kind="epoch", step=run.step, epoch=epoch, seconds=seconds)
+        self.loggers.write(kind="epoch", step=run.step, epoch=epoch, seconds=seconds)
         run.log.info(f"epoch {epoch:g} took {seconds:.1f} s", console=self.plain)
 
     def on_loop_end(self, run):

@@ -8,8 +8,8 @@ class TestEvery(Callback):
     """``train.test_every``: the test split evaluated every N epochs during training (the final test
     pass happens anyway), as the classic notebooks plot test accuracy per epoch."""
 
-    def __init__(self, every: int, metrics, tb, evaluate):
-        self.every, self.metrics, self.tb = every, metrics, tb
+    def __init__(self, every: int, loggers, evaluate):
+        self.every, self.loggers = every, loggers  # a ``test`` row with its epoch (TensorBoard: ``test_during/``)
         self.evaluate = evaluate  # (run, split) -> metrics: ``training.evaluation.evaluate_split``
 
     def on_epoch_end(self, run):
@@ -20,6 +20,5 @@ class TestEvery(Callback):
             r = self.evaluate(run, run.data.test)
             shown = f" acc {r['accuracy']:.4f}" if r["accuracy"] is not None else ""
             run.log.info(f"epoch {done} step {run.step} test loss {r['loss']:.4f}{shown}")
-            self.metrics.write(kind="test", step=run.step, epoch=done, loss=r["loss"], accuracy=r["accuracy"],
-                                        top5=r["top5"])
-            self.tb.scalars(run.step, "test_during", {k: r[k] for k in ("loss", "accuracy") if r[k] is not None})
+            self.loggers.write(kind="test", step=run.step, epoch=done, loss=r["loss"], accuracy=r["accuracy"],
+                               top5=r["top5"])

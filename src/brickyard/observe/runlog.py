@@ -1,9 +1,5 @@
-"""Run directories and what is written into them: the metrics file, ``env.json``, ``summary.json``
-(the log files are ``brickyard.observe.logs``).
-
-- ``MetricsWriter``: rank 0 appends one JSON object per line to ``metrics.jsonl`` and flushes, so
-  a crash loses at most the line being written.
-"""
+"""What a run directory's records hold: ``metrics.jsonl`` read back (written by the ``jsonl`` logger,
+``brickyard.observe.loggers.files``), ``env.json``, the result lines (the log files are ``brickyard.observe.logs``)."""
 from __future__ import annotations
 
 import datetime
@@ -11,47 +7,12 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy
 import torch
 
 from brickyard import __version__
-from brickyard.files import naming
-
-
-class MetricsWriter:
-    """Appends rows to ``path`` (None: writes nothing, the other ranks). A ``start`` row waits for the
-    first row of the run's own (a logged step, an evaluation), and the file is opened then: a run that
-    fails before it has anything to say leaves no ``metrics.jsonl``, which marks a directory as
-    holding a run and would block the next start."""
-
-    def __init__(self, path: Path | None):
-        self.path, self.f, self.pending = path, None, []
-        self.listeners: list = []  # callables that see every row written (the experiment trackers)
-
-    def write(self, **record) -> None:
-        if self.path is None:
-            return
-        record.setdefault("time", round(time.time(), 3))
-        for listener in self.listeners:
-            listener(record)
-        if record.get("kind") == "start":
-            self.pending.append(record)
-            return
-        with naming(self.path):
-            if self.f is None:
-                self.f = open(self.path, "a", buffering=1)
-            for row in self.pending + [record]:
-                self.f.write(json.dumps(row) + "\n")
-        self.pending = []
-
-    def close(self) -> None:
-        if self.f:
-            f, self.f = self.f, None
-            with naming(self.path):
-                f.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

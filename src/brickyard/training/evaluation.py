@@ -101,7 +101,7 @@ def _fmt(r: dict, *keys) -> str:
     return " ".join(f"{k} {r[k]:.4f}" for k in keys if r.get(k) is not None)
 
 
-def finish(run, metrics, tb, wall_start: float, evaluate_split: SplitEvaluator, facts: dict, callbacks) -> dict:
+def finish(run, metrics, wall_start: float, evaluate_split: SplitEvaluator, facts: dict, callbacks) -> dict:
     """Test evaluation, the summary (``summary.json``, rank 0) and the plots; returns the summary. ``facts``: what
     the trainer adds about how it trained (trainers, channels_last, compiled, model, strategy, memory at start);
     ``callbacks``: the run's ``CallbackList``, whose ``summary`` is added last."""
@@ -122,7 +122,6 @@ def finish(run, metrics, tb, wall_start: float, evaluate_split: SplitEvaluator, 
             summary["eval_limit"] = cfg.data.eval_limit
         metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
             "loss", "accuracy", "top5", "per_class_accuracy", "confusion") if k in r})
-        tb.scalars(run.step, "test", {k: r[k] for k in ("loss", "accuracy", "top5") if r[k] is not None})
         part = f" (the first {r['count']:,} of {len(data.test):,} images)" if limited else ""
         run.log.info(f"test {_fmt(r, 'loss')} {_fmt({'acc': r['accuracy'], 'top5': r['top5']}, 'acc', 'top5')}".rstrip() + part)
         if run.is_main and "errors" in r:
@@ -140,7 +139,6 @@ def finish(run, metrics, tb, wall_start: float, evaluate_split: SplitEvaluator, 
         epoch_seconds=run.meter.epoch_seconds, run_dir=str(run.run_dir),
     )
     summary.update(callbacks.summary(run))  # what callbacks add (NotLearning's warning, stage 2's totals)
-    tb.close()
     if run.is_main:
         write_json(run.run_dir / "summary.json", summary)
         if cfg.train.plots:  # after summary.json is safely written; their time is added to it

@@ -17,17 +17,16 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from brickyard.callbacks.trackers import Trackers
 from brickyard.config import Config
-from brickyard.config.schema import loggers
+from brickyard.config.schema import loggers as train_loggers
 from brickyard.data import DataBundle
 from brickyard.distributed import env as dist_env
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, UserCodeError, reason
 from brickyard.files import os_error
+from brickyard.observe.loggers import RunInfo
+from brickyard.observe.loggers.fanout import Loggers, for_run
 from brickyard.observe.logs import Logger
-from brickyard.observe.runlog import MetricsWriter
-from brickyard.observe.tensorboard import TBWriter
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training import failures, precision, ways
@@ -59,11 +58,12 @@ class _Start:
 
 def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None = None, resume: str | None = None,
           model_meta: dict | None = None, info: dist.DistInfo | None = None, log_dir: Path | None = None,
-          callbacks=(), loss_fn=None, train_step=None) -> dict:
-    """Train ``model`` on ``data`` as this process's share of the job; return the summary dict."""
+          callbacks=(), loss_fn=None, train_step=None, loggers=()) -> dict:
+    """Train ``model`` on ``data`` as this process's share of the job; return the summary dict. ``loggers``:
+    ``observe.loggers.Logger`` instances that get every row besides those ``train.loggers`` names (rank 0)."""
     started, rss = time.perf_counter(), dev.rss_mib()
     info = info or dist.from_env()
-    user = UserParts(tuple(callbacks), loss_fn, train_step, model_meta or {})
+    user = UserParts(tuple(callbacks), loss_fn, train_step, model_meta or {}, tuple(loggers))
     way = ways.choose(cfg, info)
     check_before_writing(cfg, model, data, user, info, way, resume)
     with _torch_flags():
@@ -123,7 +123,7 @@ def _torch_flags():
 class _Session:
     """What a run's logs and its agreement with the other ranks are: open while the run is."""
     log: Logger
-    metrics: MetricsWriter
+    metrics: Loggers                      # where every row goes (none on ranks other than 0)
     group: ProcessGroup | None = None     # the readers' process group (None: every rank)
     messages: ProcessGroup | None = None  # the way's own group (the parameter server's messages)
     vote: dist.StopVote | None = None  # None on a serving rank: it takes no part in the trainers' stops
@@ -135,9 +135,11 @@ def _reported(s: _Start):
     store for the ranks whose collectives its leaving fails."""
     info = s.info
     log = Logger(info.rank, tuple([s.log_dir / f"workerlog.{info.rank}"] + ([s.run_dir / "train.log"] if info.is_main else [])))
-    session = _Session(log, MetricsWriter(s.run_dir / "metrics.jsonl" if info.is_main else None))
+    session = _Session(log, Loggers())
     heartbeat, done = None, False
     try:
+        if info.is_main:  # csv: still the CSVLogger callback that callbacks.from_config adds, until that goes
+            session.metrics = for_run(train_loggers(s.config.train) - {"csv"}, s.user.loggers, log.warning)
         # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
         # left alone): it may wait on something with no timeout of its own
         lost = failures.cut_off(info.rank, s.log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
@@ -170,7 +172,7 @@ def _reported(s: _Start):
         try:
             # after a failure, that failure is the one to say (a full disk fails a cut row's flush again here)
             with contextlib.nullcontext() if done else contextlib.suppress(OSError):
-                session.metrics.close()
+                session.metrics.finish(done)
         finally:
             log.close()
 
@@ -203,14 +205,15 @@ def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
     if s.way.serves(info.rank):
         serve(job, s.model, s.data, log)
         return None
-    tb = TBWriter(s.run_dir if info.is_main else None, "tensorboard" in loggers(cfg.train), log.warning)
-    trainer = Trainer(job, s.model, s.data, s.user, log, metrics, tb, [Trackers(sorted(loggers(cfg.train)), metrics)])
+    trainer = Trainer(job, s.model, s.data, s.user, log, metrics)
     if found:
         trainer.load_state_dict(*found)
     if s.resume or info.restart_count:
         for line in rundir.repair(trainer.run.step):  # after a crash: nothing past the resumed step, no temporaries
             log.info(line)
     trainer.wrap()
+    # before config.yaml and env.json: a logger that cannot start is one sentence that leaves nothing behind
+    metrics.start(RunInfo(s.run_dir, cfg.to_dict(), trainer.run.step, info.world_size, log.warning))
     if info.is_main:
         rundir.claim()
         rundir.save_config(cfg)

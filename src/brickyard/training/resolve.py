@@ -15,13 +15,14 @@ from torch import nn
 
 from brickyard.callbacks import reduce_lr
 from brickyard.callbacks.checkpointing import check_monitor
-from brickyard.callbacks.trackers import check_installed, check_reachable
+from brickyard.callbacks.trackers import check_reachable
 from brickyard.config import Config
 from brickyard.config.schema import loggers
 from brickyard.data import balance
 from brickyard.data.loaders import BatchPlan, check_readers, step_batch
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, ConfigError
+from brickyard.observe.loggers import check as check_loggers
 from brickyard.optim import Schedule
 from brickyard.training import activation_checkpointing, memory
 from brickyard.training.rundir import default_path
@@ -48,7 +49,7 @@ def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, r
                         "loss_fn" if user.loss_fn is not None else "train_step" if user.train_step is not None else None)
     reduce_lr.check(cfg, user.callbacks, data)
     check_monitor(cfg, data)
-    check_installed(loggers(cfg.train))
+    check_loggers(loggers(cfg.train))  # a name no built-in or installed package has; a package missing
     if info.rank == 0:
         check_reachable(loggers(cfg.train))  # a tracking server that takes no connection
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)

@@ -67,6 +67,7 @@ class UserParts:
     loss_fn: Callable | None = None
     train_step: Callable | None = None
     meta: dict = field(default_factory=dict)  # the model's name and registry flag, saved in checkpoints
+    loggers: tuple = ()  # ``observe.loggers.Logger`` instances besides those the config names (rank 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,10 +86,10 @@ class Job:
 
 
 class Trainer:
-    """One process's run (see the module docstring). ``metrics`` and ``tb`` are where its rows go."""
+    """One process's run (see the module docstring). ``metrics`` (``observe.loggers.fanout.Loggers``) is where its
+    rows go."""
 
-    def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics, tb,
-                 writers: list[Callback]):
+    def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
         self.model, self.channels_last = place(model, job, data.is_images, log)
@@ -113,24 +114,24 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpoints = ckpt.Checkpoints(job.run_dir / "checkpoints", c.keep_last, c.keep_best, info.is_main,
                                             self.guard, self.state_dict, way.sharded, self._saved)
-        self.callbacks = CallbackList(self._own_callbacks(metrics, tb) + way.callbacks(self.run, self.update, metrics)
-                                      + writers + from_config(cfg) + list(user.callbacks))
-        self.meta, self.metrics, self.tb = user.meta, metrics, tb
+        self.callbacks = CallbackList(self._own_callbacks(metrics) + way.callbacks(self.run, self.update, metrics)
+                                      + from_config(cfg) + list(user.callbacks))
+        self.meta, self.metrics = user.meta, metrics
 
-    def _own_callbacks(self, metrics, tb) -> list[Callback]:
+    def _own_callbacks(self, metrics) -> list[Callback]:
         """brickyard's behaviours, then the config's built-ins. The order is part of the contract: ``ProgressLog``
         sets ``run.train_loss`` before ``NotLearning`` reads it, and checkpoints are written before a user's
         ``on_epoch_end`` sees ``run.last_checkpoint``."""
         run, t, c = self.run, self.config.train, self.config.checkpoint
         hint = None if self.data.in_memory else "try more data.num_workers"
-        own: list[Callback] = [ProgressLog(run, metrics, tb, hint, self.guard), NotLearning(stop=t.stop_if_not_learning),
+        own: list[Callback] = [ProgressLog(run, metrics, hint, self.guard), NotLearning(stop=t.stop_if_not_learning),
                                Checkpointing(self.checkpoints, c.every_steps, c.every_epoch, c.monitor)]
         if t.watch:
-            own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics, tb))
+            own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics))
         if t.test_every:
-            own.append(TestEvery(t.test_every, metrics, tb, self.evaluate))
+            own.append(TestEvery(t.test_every, metrics, self.evaluate))
         if t.histograms_every:
-            own.append(Histograms(t.histograms_every, tb))
+            own.append(Histograms(t.histograms_every, metrics))
         if t.profile_steps:
             where = Path(t.profile_dir).expanduser() if t.profile_dir else run.run_dir / "profile"
             own.append(Profiling(*t.profile_steps, where, run.rank, run.device))
@@ -302,7 +303,7 @@ class Trainer:
         facts = {"trainers": way.readers, "channels_last": self.channels_last, "compiled": self.compiled,
                  "model": self.meta.get("name"), "strategy": way.summary_name(run.world_size),
                  "rss_at_start_mb": self.job.rss_at_start_mb}
-        summary = finish(run, self.metrics, self.tb, started, self.evaluate, facts, self.callbacks)
+        summary = finish(run, self.metrics, started, self.evaluate, facts, self.callbacks)
         self.callbacks.on_train_end(run, summary)
         self.metrics.write(kind="summary", **{k: v for k, v in summary.items() if k != "run_dir"})
         return summary
