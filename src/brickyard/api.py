@@ -50,7 +50,8 @@ def resolve_config(config=None, overrides=()) -> Config:
 
 def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None, *, callbacks=(), loss_fn=None,
         train_step=None, num_classes=None, run_dir=None, resume=None, overrides=(), epochs=None, batch_size=None,
-        validation_split=None, class_weight=None, validation_data=None, validation_freq=None, verbose=None) -> dict:
+        validation_split=None, class_weight=None, validation_data=None, validation_freq=None, verbose=None,
+        loggers=()) -> dict:
     """Train your own ``nn.Module`` on your own data; returns the summary the CLI writes.
 
     ``train_data`` / ``val_data`` / ``test_data``: ``(inputs, labels)`` tensors or NumPy arrays (inputs N x anything:
@@ -62,7 +63,9 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     class logits (N x C) for integer labels or for rows of class probabilities (a Dataset's one-hot rows, soft
     targets), scored by their largest share as Keras's ``categorical_accuracy`` scores them.
 
-    ``callbacks``: ``brickyard.Callback`` instances. ``loss_fn(outputs, targets)`` returns the mean loss
+    ``callbacks``: ``brickyard.Callback`` instances. ``loggers``: ``brickyard.observe.loggers.Logger`` instances, which
+    get every row ``metrics.jsonl`` gets, besides the ``train.loggers`` the config names (rank 0; docs/extending.md).
+    ``loss_fn(outputs, targets)`` returns the mean loss
     (default: cross-entropy with ``optim.label_smoothing``). ``train_step(run, batch)`` replaces the
     forward pass and loss: it gets ``(inputs, targets)`` on the device and returns the mean loss, or
     ``(loss, outputs)``; brickyard does the backward pass (unless the step calls ``run.backward``), the
@@ -114,7 +117,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
     resume = resume or os.environ.get("BRICKYARD_RESUME") or None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
-                 log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step)
+                 log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step,
+                 loggers=loggers)
 
 
 def _batch(batch_size):
