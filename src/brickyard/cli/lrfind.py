@@ -30,6 +30,7 @@ def run(args) -> int:
     cfg = load_config(args.config or "mnist", args.overrides)  # before torch is imported
     from brickyard.files import write_json
     from brickyard.tools import lrfind
+    lrfind.check_range(args.min_lr, args.max_lr, args.steps)  # before a job of several processes starts
     job = launch.Job.from_args(args, cfg.dist.timeout_s, devices=args.devices)
     if job.world > 1 and not args.result:
         with tempfile.TemporaryDirectory() as d:

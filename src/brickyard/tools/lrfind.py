@@ -51,11 +51,22 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float | None, int | 
     return lrs[best], best
 
 
+def check_range(min_lr: float, max_lr: float, steps: int) -> None:
+    """The sweep's range, checked before anything runs: finite rates (``--max-lr inf`` swept to inf and then
+    advised a lower --min-lr), ``0 < min_lr < max_lr``, a ratio a float holds, enough steps."""
+    for flag, value in (("--min-lr", min_lr), ("--max-lr", max_lr)):
+        if not math.isfinite(value):
+            raise BrickyardError(f"lr-find: {flag} {value} is not a finite number; give a rate such as 1e-8 or 10.")
+    if not 0 < min_lr < max_lr or steps < SKIP_BEGIN + SKIP_END + 2:
+        raise BrickyardError(f"lr-find: needs 0 < --min-lr < --max-lr and at least {SKIP_BEGIN + SKIP_END + 2} steps.")
+    if not math.isfinite(max_lr / min_lr):
+        raise BrickyardError(f"lr-find: --max-lr / --min-lr is {max_lr / min_lr}, past what a float holds; narrow the range.")
+
+
 def sweep(cfg, min_lr: float = MIN_LR, max_lr: float = MAX_LR, steps: int = STEPS, log=print) -> dict:
     """Run the range test in this process (one rank of a job under torchrun); every rank returns the same."""
     from brickyard.tools.bench import _job  # tools import each other lazily: bench imports the launch machinery
-    if not 0 < min_lr < max_lr or steps < SKIP_BEGIN + SKIP_END + 2:
-        raise BrickyardError(f"lr-find: needs 0 < --min-lr < --max-lr and at least {SKIP_BEGIN + SKIP_END + 2} steps.")
+    check_range(min_lr, max_lr, steps)
     info = dist.from_env()
     host = dev.setup(cfg.train, info.local_rank, info.local_world_size)
     dist.init(info, cfg.dist.backend, host.device, cfg.dist.timeout_s)
