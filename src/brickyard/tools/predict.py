@@ -130,6 +130,31 @@ def _as_fit_reads(x: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     return DevicePrep((0.0,), (1.0,), float_dtype=float_dtype(model))(held.images)
 
 
+def _prepared(x: torch.Tensor, meta: dict, model) -> torch.Tensor:
+    """The batch as the model reads it: with ``meta`` (a checkpoint's or an export's) in its layout and size, scaled
+    and normalised (an exported program normalises itself); without, as ``fit`` reads a module's tensors."""
+    if meta:  # N x H x W x C, as Keras and NumPy keep images: the checkpoint's C x H x W says it
+        x = layout.as_checkpoint_reads(x, meta.get("in_channels"), meta.get("image_size"))
+    else:  # a module: the dtype and layout it takes, as fit reads its tensors
+        x = _as_fit_reads(x, model)
+        if layout.model_reads_channels_last(model, x):
+            x = layout.channels_first(x)
+    if meta and x.dim() == 4 and meta.get("in_channels") and meta.get("image_size") \
+            and tuple(x.shape[1:]) != (meta["in_channels"], *meta["image_size"]):
+        c, (h, w) = meta["in_channels"], meta["image_size"]
+        raise BrickyardError(f"inputs are {'x'.join(map(str, x.shape[1:]))} images and the model reads {c}x{h}x{w}; "
+                             f"give image files (resized for you) or tensors of that size.")
+    if meta:
+        xf = x.float() / 255 if x.dtype == torch.uint8 else x.float()
+        if meta.get("normalises"):  # an exported program normalises itself
+            x = xf
+        else:
+            mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
+            std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
+            x = (xf - mean) / std
+    return x
+
+
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
@@ -157,26 +182,7 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
         meta = state.get("meta", {})
     if isinstance(outputs, str):
         outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
-    x = _as_batch(inputs, meta)
-    if meta:  # N x H x W x C, as Keras and NumPy keep images: the checkpoint's C x H x W says it
-        x = layout.as_checkpoint_reads(x, meta.get("in_channels"), meta.get("image_size"))
-    else:  # a module: the dtype and layout it takes, as fit reads its tensors
-        x = _as_fit_reads(x, model)
-        if layout.model_reads_channels_last(model, x):
-            x = layout.channels_first(x)
-    if meta and x.dim() == 4 and meta.get("in_channels") and meta.get("image_size") \
-            and tuple(x.shape[1:]) != (meta["in_channels"], *meta["image_size"]):
-        c, (h, w) = meta["in_channels"], meta["image_size"]
-        raise BrickyardError(f"inputs are {'x'.join(map(str, x.shape[1:]))} images and the model reads {c}x{h}x{w}; "
-                             f"give image files (resized for you) or tensors of that size.")
-    if meta:
-        xf = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-        if meta.get("normalises"):  # an exported program normalises itself
-            x = xf
-        else:
-            mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
-            std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
-            x = (xf - mean) / std
+    x = _prepared(_as_batch(inputs, meta), meta, model)
     own = next((p.device for p in model.parameters()), None) if isinstance(model_or_checkpoint, torch.nn.Module) else None
     d = dev.resolve_device(device) if device is not None else (own or torch.device("cpu"))
     was_training = model.training
