@@ -203,7 +203,7 @@ def resume_config(run_dir, source: str | None, overrides=(), auto: bool = True) 
     override (or a named config) that would change the run itself is refused, naming the key."""
     saved_path = Path(run_dir) / "config.yaml"
     if not saved_path.is_file():
-        if source is None and auto:  # the default preset would start a run of its own where one was meant to continue
+        if source is None and not overrides and auto:  # the default preset would start a run where one was to continue
             raise ConfigError(f"--resume: {run_dir} holds no config.yaml of a run to continue; name the config to start "
                               f"one there (`brickyard train CONFIG --run-dir {run_dir} --resume auto`).")
         return load_config(source or "mnist", overrides)
