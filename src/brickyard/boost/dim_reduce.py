@@ -61,10 +61,10 @@ from brickyard.distributed.flat import flat_grads
 from brickyard.distributed.flat import flatten as flat_params
 from brickyard.distributed.flat import load_flat as set_flat
 from brickyard.errors import CheckpointError, ConfigError
-from brickyard.models import bn_state, restore_bn_state
-from brickyard.optim.updates import Update
-from brickyard.observe.metrics import fmt
 from brickyard.files import read_torch, write_torch
+from brickyard.models import bn_state, restore_bn_state
+from brickyard.observe.metrics import fmt
+from brickyard.optim.updates import Update
 
 _SNAP = re.compile(r"^snap-(\d+)\.pt$")
 

@@ -3,6 +3,8 @@
 ends (a stop, ``max_steps``). What is saved, where and how is ``training.checkpoint.Checkpoints``'."""
 from __future__ import annotations
 
+import math
+
 from brickyard.callbacks.base import Callback, monitored
 from brickyard.errors import ConfigError
 
@@ -56,7 +58,7 @@ def best_logged(rows, monitor: str, step: int) -> tuple[float, int] | None:
             value = score(row, monitor)
         except (ConfigError, KeyError, TypeError):
             continue
-        if isinstance(value, float) and value == value and (found is None or value > found[0]):
+        if isinstance(value, float) and not math.isnan(value) and (found is None or value > found[0]):
             found = (value, row["step"])
     return found
 

@@ -87,7 +87,7 @@ class ReduceLROnPlateau(Callback):
     def load_state_dict(self, state):
         best, wait, counter, scale, at = (state[k] for k in ("best", "wait", "cooldown_counter", "scale", "reduced_at"))
         counts = (wait, counter, *at) if isinstance(at, (list, tuple)) else (None,)
-        if not (isinstance(best, float) and best == best and isinstance(scale, float) and 0 < scale <= 1
+        if not (isinstance(best, float) and not math.isnan(best) and isinstance(scale, float) and 0 < scale <= 1
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts)):
             raise ValueError(f"ReduceLROnPlateau: {str(state)[:120]} is not its state")
         self.best, self.wait, self.cooldown_counter, self.scale, self.reduced_at = best, wait, counter, scale, list(at)

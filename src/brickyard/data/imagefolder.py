@@ -28,9 +28,9 @@ from PIL import Image, UnidentifiedImageError
 
 from brickyard.data.bundle import DataBundle, Split, held_out
 from brickyard.data.idx import cache_dir
-from brickyard.files import printable, write_atomic
 from brickyard.data.transforms import NAMED_STATS, Pipeline, random_crop_arg, to_channels
 from brickyard.errors import ConfigError, DataError
+from brickyard.files import printable, write_atomic
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 # What operating systems leave in a folder of photos, left out as hidden files are: Windows Explorer's thumbnail

@@ -64,7 +64,7 @@ class Pairs(torch.utils.data.Dataset):
         self.channels_first, self.uint8, self.pipeline = channels_first, uint8, pipeline
         self.seeded = pipeline is not None
 
-    def but(self, **changes) -> "Pairs":
+    def but(self, **changes) -> Pairs:
         """The same reading with ``changes`` (``channels_first``, ``uint8``, ``pipeline``), the rest kept."""
         kept = dict(channels_first=self.channels_first, uint8=self.uint8, pipeline=self.pipeline)
         return Pairs(self.data, self.input_key, self.label_key, **{**kept, **changes})

@@ -133,6 +133,6 @@ def make_photo_folder(out: Path, classes: int = 10, per_class: dict | None = Non
                     continue
                 rng = np.random.default_rng([seed, s, c, i])
                 im = photo(c, classes, rng, min_size, max_size)
-                write_atomic(path, lambda f: im.save(f, format="JPEG", quality=quality))
+                write_atomic(path, lambda f, im=im: im.save(f, format="JPEG", quality=quality))
         counts[split] = n * classes
     return counts

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from brickyard.errors import ConfigError
 from brickyard.models import bn_state, find_blocks, restore_bn_state
+
 
 def apply(model: nn.Module, setting) -> list[str]:
     """Checkpoint the modules that ``setting`` (``auto`` or patterns) names; returns their names."""

@@ -11,9 +11,9 @@ from brickyard.data import Split
 from brickyard.data.loaders import eval_batches, eval_count
 from brickyard.distributed import fsdp
 from brickyard.errors import BrickyardError
+from brickyard.files import write_json, write_torch
 from brickyard.observe.metrics import EvalAccumulator, class_targets
 from brickyard.observe.plots import plot_runs
-from brickyard.files import write_json, write_torch
 from brickyard.training import device as dev
 
 

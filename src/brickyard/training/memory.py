@@ -23,16 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from brickyard import models
-from brickyard.models import find_blocks
 from brickyard.data.augment import DevicePrep
 from brickyard.data.loaders import device_batches
 from brickyard.errors import BrickyardError
+from brickyard.models import find_blocks
 from brickyard.observe.metrics import fmt
 from brickyard.optim import build_optimizer, param_groups
-from brickyard.training import activation_checkpointing
+from brickyard.training import activation_checkpointing, ways
 from brickyard.training import device as dev
 from brickyard.training.precision import for_model
-from brickyard.training import ways
 
 STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,

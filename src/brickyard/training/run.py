@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
