@@ -14,6 +14,7 @@ that no such record claims are refused in one sentence, never silently kept.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -84,6 +85,6 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jp
             im = Image.fromarray(np.asarray(images[i]))
             if jpeg_size:
                 im = im.convert("RGB").resize((jpeg_size, jpeg_size), Image.BICUBIC)
-            write_atomic(path, lambda f, im=im: im.save(f, format="JPEG", quality=90) if jpeg_size else im.save(f, format="PNG"))
+            write_atomic(path, functools.partial(im.save, format="JPEG", quality=90) if jpeg_size else functools.partial(im.save, format="PNG"))
         counts[split] = len(keep)
     return counts

@@ -135,7 +135,7 @@ def download(name: str, folder: Path) -> None:
             if got != spec.md5[stem]:
                 errors.append(f"{url}: checksum {got} != {spec.md5[stem]}")
                 continue
-            write_atomic(folder / f"{stem}.gz", lambda f, data=data: f.write(data))
+            write_atomic(folder / f"{stem}.gz", data)
             break
         else:
             places = " or ".join(str(d) for d in candidate_dirs(name, None))

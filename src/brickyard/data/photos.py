@@ -14,6 +14,7 @@ Layout: ``DIR/train/<class>/<i>.jpg``, ``DIR/val/...``, ``DIR/test/...`` (``data
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -133,6 +134,6 @@ def make_photo_folder(out: Path, classes: int = 10, per_class: dict | None = Non
                     continue
                 rng = np.random.default_rng([seed, s, c, i])
                 im = photo(c, classes, rng, min_size, max_size)
-                write_atomic(path, lambda f, im=im: im.save(f, format="JPEG", quality=quality))
+                write_atomic(path, functools.partial(im.save, format="JPEG", quality=quality))
         counts[split] = n * classes
     return counts

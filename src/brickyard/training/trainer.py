@@ -217,7 +217,8 @@ class Trainer:
         """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks. The loop owns
         the measurements (``run.meter``): each step's result, and the clock, which runs during steps only.
         Returns the summary (the test evaluation's included)."""
-        run, cbs, meter, accum = self.run, self.callbacks, self.meter, self.config.train.grad_accum
+        run, cbs, meter, accum, vote = self.run, self.callbacks, self.meter, self.config.train.grad_accum, self.job.vote
+        assert vote is not None  # a trainer's rank takes part in the vote (a serving rank builds no trainer)
         run.model.train()
         with _StopFlag(self.control):
             cbs.on_train_start(run)
@@ -232,7 +233,7 @@ class Trainer:
                     meter.add(result)
                     run.step += 1
                     cbs.on_step_end(run, result.loss)
-                    if stop := self.job.vote.should_stop(run.step, self.control.request):  # polled once per step
+                    if stop := vote.should_stop(run.step, self.control.request):  # polled once per step
                         self.control.agreed, run.stopped = stop, stop.reason
                     if run.stopped or run.step >= run.total_steps:
                         break
