@@ -153,6 +153,7 @@ def _private_names(trees) -> set[str]:
     return {n for n in own if n.startswith("_") and not n.startswith("__")}
 
 
+@pytest.mark.fast
 def test_no_module_reads_another_objects_private_attributes():
     """One owner per piece of state: an object's underscore attributes are read and written by its own methods
     only (``self._x``), never as ``run._engine`` or ``trainer._parts`` from elsewhere."""
@@ -171,6 +172,7 @@ def test_no_module_reads_another_objects_private_attributes():
     assert not reaching, "private state of another object used at " + ", ".join(reaching)
 
 
+@pytest.mark.fast
 def test_only_the_ways_of_training_ask_which_one_runs():
     """The trainer calls the ``Way`` interface (``training/ways``); nothing else under training/ compares
     ``dist.mode``, ``dist.strategy`` or ``boost.dim_reduce.enabled`` to choose what to do."""
@@ -185,3 +187,17 @@ def test_only_the_ways_of_training_ask_which_one_runs():
                     n.value.attr == "dim_reduce":
                 asking.append(f"{path.relative_to(SRC)}:{n.lineno}")
     assert not asking, "a way of training chosen outside training/ways at " + ", ".join(asking)
+
+
+@pytest.mark.fast
+def test_no_function_longer_than_60_lines_and_no_module_longer_than_450():
+    """Small parts a reader takes in at once: a function on one screen, a module of one concern."""
+    long = []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 450:
+            long.append(f"{path.relative_to(SRC)}: {len(text.splitlines())} lines")
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60:
+                long.append(f"{path.relative_to(SRC)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines")
+    assert not long, "too long: " + "; ".join(sorted(long))

@@ -23,12 +23,12 @@ from brickyard.models import pretrained
 from brickyard.models.finetune import prepare
 from brickyard.observe.logs import Logger
 from brickyard.training import checkpoint as ckpt
-from brickyard.training.rundir import default_path
 from brickyard.training import device as dev
 from brickyard.training.evaluation import evaluate
+from brickyard.training.loop import train
 from brickyard.training.memory import device_batch
 from brickyard.training.precision import for_model
-from brickyard.training.loop import train
+from brickyard.training.rundir import default_path
 
 __all__ = ["fit", "resolve_config", "train_config", "build_model", "load_checkpoint_model", "evaluate_checkpoint"]
 
@@ -95,30 +95,37 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
         overrides = [overrides]  # one KEY=VALUE, not its characters
     val_data = _keras_validation(train_data, val_data, validation_data)
     (train_data, val_data, test_data), from_loader, loader_notes = from_loaders(train_data, val_data, test_data)
-    if verbose is not None and verbose not in (0, 1, 2):
-        raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an "
-                          f"epoch).")
     keras = _keras_keywords(epochs, _batch(batch_size), validation_split, validation_freq, verbose)
     overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
+    cfg = _fit_config(config, overrides)
+    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
+                     transforms=cfg.data)
+    data.notes[:0] = loader_notes
+    if class_weight is not None:
+        cfg = cfg.replace(**{"optim.class_weights": _class_weights(class_weight, data.num_classes)})
+    _prepare(model, cfg, data)
+    run_dir, resume = run_dir or os.environ.get("BRICKYARD_RUN_DIR"), resume or os.environ.get("BRICKYARD_RESUME") or None
+    return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
+                 log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step,
+                 loggers=loggers)
+
+
+def _prepare(model: nn.Module, cfg: Config, data: DataBundle) -> None:
+    """``model.init`` and ``model.whiten`` on the user's model, before it trains."""
+    models.initialise(model, cfg.model.init)
+    if cfg.model.whiten:
+        models.whiten(model, data, type(model).__name__)
+
+
+def _fit_config(config, overrides) -> Config:
+    """``fit``'s config: ``config`` and ``overrides``, on the device `brickyard run --devices` chose."""
     cfg = resolve_config(config, overrides)
     if cfg.optim.lr == "find":
         raise ConfigError("optim.lr: find runs the range test on the registry models of `brickyard train`; for your own "
                           "model set optim.lr (a number).")
     if os.environ.get("BRICKYARD_DEVICE") and cfg.train.device == "auto":  # `brickyard run --devices cpu:2`
         cfg = cfg.replace(**{"train.device": os.environ["BRICKYARD_DEVICE"]})
-    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
-                     transforms=cfg.data)
-    data.notes[:0] = loader_notes
-    if class_weight is not None:
-        cfg = cfg.replace(**{"optim.class_weights": _class_weights(class_weight, data.num_classes)})
-    models.initialise(model, cfg.model.init)
-    if cfg.model.whiten:
-        models.whiten(model, data, type(model).__name__)
-    run_dir = run_dir or os.environ.get("BRICKYARD_RUN_DIR")
-    resume = resume or os.environ.get("BRICKYARD_RESUME") or None
-    return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
-                 log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step,
-                 loggers=loggers)
+    return cfg
 
 
 def _batch(batch_size):
@@ -138,6 +145,9 @@ def _batch(batch_size):
 
 def _keras_keywords(epochs, batch_size, validation_split, validation_freq, verbose) -> dict:
     """Keras's ``fit`` keywords as the config keys they set (None: not given)."""
+    if verbose is not None and verbose not in (0, 1, 2):
+        raise ConfigError(f"verbose: {verbose!r} is not one of Keras's 0 (silent), 1 (a progress bar) or 2 (a line an "
+                          f"epoch).")
     return {"train.epochs": epochs, "data.global_batch_size": batch_size, "data.val_fraction": validation_split,
             "train.eval_every": validation_freq, "train.progress": {0: "none", 1: "bar", 2: "plain"}.get(verbose)}
 

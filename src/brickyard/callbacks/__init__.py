@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from brickyard.callbacks.base import HOOKS, Callback, CallbackList  # noqa: F401
 from brickyard.callbacks.csv_logger import CSVLogger
-from brickyard.config.schema import loggers
 from brickyard.callbacks.early_stopping import EarlyStopping
 from brickyard.callbacks.ema import EMA
 from brickyard.callbacks.layer_outputs import LayerOutputs
@@ -28,6 +27,4 @@ def from_config(cfg) -> list[Callback]:
         out.append(EMA(t.ema))
     if t.max_time_s:
         out.append(MaxTime(t.max_time_s))
-    if "csv" in loggers(t):
-        out.append(CSVLogger("metrics.csv"))
     return out

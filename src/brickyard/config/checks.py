@@ -3,6 +3,7 @@ checked by the sections (``schema``'s ``check()`` methods) when a config is buil
 parts that use the value (``data``, ``models``). Each raises ``ConfigError`` naming the key."""
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import re
 
@@ -73,12 +74,15 @@ def init_method(how: str) -> tuple[str, float | None]:
     return name, None
 
 
+BUILT_IN_LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")
+
+
 def logger_names() -> tuple[str, ...]:
-    """The names ``train.loggers`` accepts, in the order its error lists them."""
-    # the loggers' registry (brickyard.observe.loggers.names(): the built-in names and those of the
-    # brickyard.loggers entry-point group, without importing torch) is to answer this: then this line
-    # becomes `return tuple(observe_loggers.names())`, with that module imported at the top
-    return ("tensorboard", "csv", "mlflow", "wandb")
+    """The names ``train.loggers`` accepts, in the order its error lists them: the built-ins, then those a user's
+    installed package adds under the ``brickyard.loggers`` entry-point group (``brickyard.observe.loggers``, which
+    sits above config in the layers, builds them from the same group)."""
+    added = {e.name for e in importlib.metadata.entry_points(group="brickyard.loggers")}
+    return BUILT_IN_LOGGERS + tuple(sorted(added - set(BUILT_IN_LOGGERS) - {"jsonl"}))
 
 
 def cross_check(cfg) -> None:

@@ -138,8 +138,8 @@ def _reported(s: _Start):
     session = _Session(log, Loggers())
     heartbeat, done = None, False
     try:
-        if info.is_main:  # csv: still the CSVLogger callback that callbacks.from_config adds, until that goes
-            session.metrics = for_run(train_loggers(s.config.train) - {"csv"}, s.user.loggers, log.warning)
+        if info.is_main:
+            session.metrics = for_run(train_loggers(s.config.train), s.user.loggers, log.warning)
         # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
         # left alone): it may wait on something with no timeout of its own
         lost = failures.cut_off(info.rank, s.log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
