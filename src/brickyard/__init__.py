@@ -1,5 +1,5 @@
 """brickyard: train image classifiers on one CPU, one GPU, the GPUs you pick, or many machines."""
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["fit", "launch", "predict", "load_config", "Config", "Callback", "Run", "__version__"]
 
