@@ -53,3 +53,17 @@ def test_a_step_that_calls_backward_trains_the_weights_of_one_that_does_not(tmp_
     brickyard.fit(b, (X, Y), config=CONFIG, train_step=own_backward, run_dir=tmp_path / "b")
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_what_a_step_keeps_on_run_outlives_the_step(tmp_path):
+    counts = []
+
+    def step(run, batch):
+        run.calls = getattr(run, "calls", 0) + 1  # a user's own state, kept on the run as before
+        counts.append(run.calls)
+        x, y = batch
+        out = run.forward(x)
+        return run.compute_loss(out, y), out
+
+    brickyard.fit(model(), (X, Y), config=CONFIG, train_step=step, run_dir=tmp_path / "run")
+    assert counts == [1, 2, 3, 4]

@@ -146,12 +146,20 @@ class StepContext:
     ``forward``, ``compute_loss`` and ``backward``. ``batch_weight`` turns the batch's mean loss into its share
     of the gradient (local batch / global batch x ranks / accumulation)."""
 
+    __slots__ = ("run", "batch_weight", "backward_done", "_loss_sum", "_scaler")
+
     def __init__(self, run: Run, loss_sum, scaler, batch_weight: float):
         self.run, self.batch_weight, self.backward_done = run, batch_weight, False
         self._loss_sum, self._scaler = loss_sum, scaler
 
     def __getattr__(self, name):  # the run's fields and methods: step, config, model, device, log, ...
         return getattr(self.run, name)
+
+    def __setattr__(self, name, value):  # what a step keeps on ``run`` outlives the step, as it did on the Run
+        if name in StepContext.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.run, name, value)
 
     @property
     def forward(self) -> nn.Module:

@@ -195,9 +195,9 @@ class Trainer:
         since it was saved, the best under the new one recomputed from the run's logged validations (a saved
         accuracy is never compared with a loss)."""
         best, was, now = state.get("best_metric"), state.get("best_monitor"), self.config.checkpoint.monitor
-        if not isinstance(best, (int, float)) or isinstance(best, bool):
-            return None
-        if was is None or was == now:  # a checkpoint of 0.2.0 has no monitor: the one it ran with
+        if not isinstance(best, (int, float)) or isinstance(best, bool) or not math.isfinite(best):
+            return None  # none yet, or a stranger's value: the next validation writes best.pt
+        if not isinstance(was, str) or was == now:  # a checkpoint of 0.2.0 has no monitor: the one it ran with
             return float(best)
         found = best_logged(read_metrics(self.run.run_dir / "metrics.jsonl"), now, self.run.step)
         if found is None:
