@@ -200,8 +200,10 @@ def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint
     the_plan = plan(cfg, s.data, info, s.way.readers)  # batches, steps and schedule: decided once, here
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
+    compiled = dev.resolve_compile(cfg.train.compile, s.host.device, sum(p.numel() for p in s.model.parameters()),
+                                   the_plan.total_steps)
     job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, session.group,
-              session.messages, session.vote, s.rss_at_start_mb)
+              session.messages, session.vote, s.rss_at_start_mb, compiled)
     if s.way.serves(info.rank):
         serve(job, s.model, s.data, log)
         return None

@@ -1,7 +1,8 @@
 """Everything a run decides before any part is built, decided once: the checks that need the data or the
 model (before anything is written), the device's settings (``training.device.Host``), the batch size, the
-batch plan, the step counts and the learning-rate schedule (``Plan``), and the precision. The results are
-a frozen config and a frozen host; nothing built later decides them again or writes them back.
+batch plan, the step counts and the learning-rate schedule (``Plan``), the precision and whether to compile
+(``training.loop`` puts them together in the ``Job``). The results are a frozen config and a frozen host;
+nothing built later decides them again or writes them back.
 """
 from __future__ import annotations
 

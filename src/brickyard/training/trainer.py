@@ -83,6 +83,7 @@ class Job:
     messages: ProcessGroup | None     # the way's own process group (the parameter server's messages)
     vote: dist.StopVote | None        # the ranks' agreement on a stop step (None on a serving rank)
     rss_at_start_mb: float
+    compiled: bool = False            # train.compile resolved: the model as trained is torch.compile'd
 
 
 class Trainer:
@@ -141,8 +142,7 @@ class Trainer:
         """The gradient sync of the way of training, then ``torch.compile`` when asked; after a restore."""
         run, host = self.run, self.job.host
         model, self.grad_sync = self.way.grad_sync(run.model, run.device, self.job.group, host.own_cores)
-        n_params = sum(p.numel() for p in run.model.parameters())
-        self.compiled = dev.resolve_compile(self.config.train.compile, run.device, n_params, run.total_steps)
+        self.compiled = self.job.compiled
         run.forward = torch.compile(model) if self.compiled else model
 
     # state
