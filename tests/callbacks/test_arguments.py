@@ -36,3 +36,16 @@ def test_a_plateau_schedule_and_a_reduce_lr_callback_say_there_are_two(tmp_path)
         brickyard.fit(nn.Linear(4, 2), (x, y), val_data=(x, y), callbacks=[ReduceLROnPlateau()], run_dir=tmp_path / "r",
                       config={"schedule": {"name": "plateau"}, "train": {"device": "cpu", "precision": "fp32"}})
     assert not (tmp_path / "r").exists()
+
+
+def test_not_learning_keeps_its_streak_across_a_resume():
+    from brickyard.callbacks.not_learning import NotLearning
+    a = NotLearning(windows=3)
+    a.streak = 2
+    b = NotLearning(windows=3)
+    b.load_state_dict(a.state_dict())
+    assert (b.streak, b.said) == (2, None)
+    assert NotLearning().state_dict() == {}  # nothing to keep: no entry in the checkpoint
+    for bad in ({"streak": "2"}, {"streak": -1}, {"streak": 1, "said": 3}):
+        with pytest.raises(ValueError, match="is not its state"):
+            NotLearning().load_state_dict(bad)

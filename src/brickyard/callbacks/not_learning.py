@@ -24,6 +24,17 @@ class NotLearning(Callback):
     def summary(self, run) -> dict:
         return {"not_learning": self.said}
 
+    def state_dict(self):
+        """The streak and what was said, so a resumed run warns (or stops) where an uninterrupted one does."""
+        return {"streak": self.streak, "said": self.said} if self.streak or self.said else {}
+
+    def load_state_dict(self, state):
+        streak, said = state.get("streak", 0), state.get("said")
+        if not (isinstance(streak, int) and not isinstance(streak, bool) and streak >= 0
+                and (said is None or isinstance(said, str))):
+            raise ValueError(f"NotLearning: {str(state)[:120]} is not its state")
+        self.streak, self.said = streak, said
+
     def on_step_end(self, run, loss):
         every = run.config.train.log_every
         c = run.data.num_classes
