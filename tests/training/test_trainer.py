@@ -1,5 +1,6 @@
 """The trainer's shape, as a user's code meets it: a step's context, the frames above a step, and one
 state_dict that a checkpoint holds."""
+import copy
 import inspect
 
 import pytest
@@ -60,6 +61,7 @@ def test_what_a_step_keeps_on_run_outlives_the_step(tmp_path):
 
     def step(run, batch):
         run.calls = getattr(run, "calls", 0) + 1  # a user's own state, kept on the run as before
+        copy.copy(run)  # copying the context (a user's debugging) reads no attribute before it has one
         counts.append(run.calls)
         x, y = batch
         out = run.forward(x)

@@ -47,20 +47,27 @@ def score(val: dict, monitor: str) -> float:
     return -value if monitor == "val_loss" else value
 
 
-def best_logged(rows, monitor: str, step: int) -> tuple[float, int] | None:
-    """The best score under ``monitor`` among the validation rows of ``metrics.jsonl`` up to ``step``, and its
-    step: what ``best.pt`` is compared with when a resumed run watches another metric than it did."""
-    found = None
+def held_validation(rows, step, best: float, monitor: str) -> dict | None:
+    """Of the logged validation rows, the one whose weights ``best.pt`` holds: the row at ``step`` (saved with the
+    best since 0.3.0), else the row whose score under the ``monitor`` it was saved with is ``best``."""
     for row in rows:
-        if row.get("kind") != "val" or not isinstance(row.get("step"), int) or row["step"] > step:
-            continue
-        try:
-            value = score(row, monitor)
-        except (ConfigError, KeyError, TypeError):
-            continue
-        if isinstance(value, float) and not math.isnan(value) and (found is None or value > found[0]):
-            found = (value, row["step"])
-    return found
+        if isinstance(step, int) and row.get("step") == step:
+            return row
+    for row in rows:
+        if step is None and rescored(row, monitor) == best:
+            return row
+    return None
+
+
+def rescored(row: dict | None, monitor: str) -> float | None:
+    """A logged validation row's score under ``monitor`` (``score``), or None where it has no such value."""
+    if row is None:
+        return None
+    try:
+        value = score(row, monitor)
+    except (ConfigError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def check_monitor(cfg, data) -> None:

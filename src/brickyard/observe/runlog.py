@@ -18,7 +18,7 @@ from brickyard import __version__
 def read_metrics(path: Path) -> list[dict]:
     rows = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():  # a stranger's bytes are a line that is not a row
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:

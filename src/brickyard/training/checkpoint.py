@@ -104,6 +104,7 @@ class Checkpoints:
         self.guard = guard            # run -> None, raises on non-finite weights (``training.step.NanGuard``)
         self.state_of, self.sharded, self.saved = state_of, sharded, saved
         self.best_metric: float | None = None
+        self.best_step: int | None = None   # the step whose weights best.pt holds
 
     def restore_check(self, run, path: Path, state: dict) -> None:
         """Refuse a model that does not fit, or a config that would change the run (``config.check_resumable``,
@@ -131,7 +132,7 @@ class Checkpoints:
             improves = dist.broadcast_object(improves)
         best = None
         if improves:
-            self.best_metric = metric  # recorded in the state, so a resumed run compares with it
+            self.best_metric, self.best_step = metric, run.step  # in the state: a resumed run compares with them
             if run.swaps_eval_weights:
                 with run.eval_weights():  # EMA: best.pt holds the averaged weights that were evaluated
                     best = self.state_of()

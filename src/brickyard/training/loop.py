@@ -127,6 +127,7 @@ class _Session:
     group: ProcessGroup | None = None     # the readers' process group (None: every rank)
     messages: ProcessGroup | None = None  # the way's own group (the parameter server's messages)
     vote: dist.StopVote | None = None  # None on a serving rank: it takes no part in the trainers' stops
+    config: Config | None = None          # the job's resolved config once there is one (what a failure is said with)
 
 
 @contextlib.contextmanager
@@ -158,7 +159,7 @@ def _reported(s: _Start):
         _leave_cause(session.vote, e)
         raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
-        explained = failures.explain(e, s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir,
+        explained = failures.explain(e, session.config or s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir,
                                      session.vote) if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
         if explained is not e:
             _leave_cause(session.vote, explained)  # out of memory on this rank's device
@@ -204,6 +205,7 @@ def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
                                    the_plan.total_steps)
     job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, session.group,
               session.messages, session.vote, s.rss_at_start_mb, compiled)
+    session.config = cfg  # an out-of-memory error names the batch size auto chose
     if s.way.serves(info.rank):
         serve(job, s.model, s.data, log)
         return None

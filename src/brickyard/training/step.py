@@ -153,6 +153,8 @@ class StepContext:
         self._loss_sum, self._scaler = loss_sum, scaler
 
     def __getattr__(self, name):  # the run's fields and methods: step, config, model, device, log, ...
+        if name.startswith("__") or name in StepContext.__slots__:  # copy and pickle ask before __init__ ran
+            raise AttributeError(name)
         return getattr(self.run, name)
 
     def __setattr__(self, name, value):  # what a step keeps on ``run`` outlives the step, as it did on the Run

@@ -1,6 +1,6 @@
 """The trainer: one object owns one process's run. It builds the parts, typed and in the order a reader
-sees in ``__init__`` (the model on its device, the optimiser and update, the loader, the loss, checkpoints,
-the callbacks, the gradient sync), owns the loop (``fit``) and has one ``state_dict`` / ``load_state_dict``
+sees in ``__init__`` (the model on its device, its parameter groups, the loss, the optimiser and update, the
+loader, the device-side preparation, checkpoints, the callbacks; then ``wrap``: the gradient sync), owns the loop (``fit``) and has one ``state_dict`` / ``load_state_dict``
 for resume. torchtitan's ``Trainer.__init__`` (torchtitan/train.py) is the anchor; a way of training
 (``training.ways``) supplies the parts that differ between data parallel, FSDP, the parameter server and
 dimension reduction.
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from brickyard.callbacks import Callback, CallbackList, from_config
-from brickyard.callbacks.checkpointing import Checkpointing, best_logged
+from brickyard.callbacks.checkpointing import Checkpointing, held_validation, rescored
 from brickyard.callbacks.not_learning import NotLearning
 from brickyard.callbacks.profiling import Profiling
 from brickyard.callbacks.progress import ProgressLog
@@ -155,6 +155,7 @@ class Trainer:
             "model": model_state, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
             "rng": ckpt.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
             "best_metric": self.checkpoints.best_metric, "best_monitor": self.config.checkpoint.monitor,
+            "best_step": self.checkpoints.best_step,
             "config": run.config.to_dict(),
             "boost": self.update.state_dict(), "callbacks": self.callbacks.state_dict(),
             "meta": {**self.meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
@@ -188,25 +189,29 @@ class Trainer:
         ckpt.set_rng_state(state["rng"], run.device)
         run.step = int(state["step"])
         self.checkpoints.best_metric = self._best_after_resume(state)
+        step = state.get("best_step")
+        self.checkpoints.best_step = step if isinstance(step, int) and not isinstance(step, bool) else None
         run.log.info(f"resumed from {path} at step {run.step} (epoch {run.step // run.steps_per_epoch})")
 
     def _best_after_resume(self, state: dict) -> float | None:
-        """The best metric ``best.pt`` is compared with: the saved one, or where ``checkpoint.monitor`` changed
-        since it was saved, the best under the new one recomputed from the run's logged validations (a saved
-        accuracy is never compared with a loss)."""
+        """The best metric ``best.pt`` is compared with: the saved one, or where ``checkpoint.monitor`` changed since
+        it was saved, the new monitor's score of the validation whose weights ``best.pt`` holds, read from the run's
+        logged validations (a saved accuracy is never compared with a loss). None: the next validation writes it."""
         best, was, now = state.get("best_metric"), state.get("best_monitor"), self.config.checkpoint.monitor
         if not isinstance(best, (int, float)) or isinstance(best, bool) or not math.isfinite(best):
             return None  # none yet, or a stranger's value: the next validation writes best.pt
         if not isinstance(was, str) or was == now:  # a checkpoint of 0.2.0 has no monitor: the one it ran with
             return float(best)
-        found = best_logged(read_metrics(self.run.run_dir / "metrics.jsonl"), now, self.run.step)
-        if found is None:
-            self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: no logged validation to compare with, "
-                              f"so the next validation writes best.pt")
+        rows = [r for r in read_metrics(self.run.run_dir / "metrics.jsonl") if r.get("kind") == "val"]
+        held = held_validation(rows, state.get("best_step"), best, was)
+        score = rescored(held, now)
+        if held is None or score is None:
+            self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: the validation best.pt holds is not in "
+                              f"metrics.jsonl, so the next validation writes best.pt")
             return None
-        self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: the best so far under {now} is recomputed "
-                          f"from metrics.jsonl (step {found[1]}); best.pt keeps its weights until a validation beats it")
-        return found[0]
+        self.run.log.info(f"checkpoint.monitor changed from {was} to {now}: best.pt (step {held['step']}) scores "
+                          f"{score:g} under {now}; a later validation that beats it replaces it")
+        return score
 
     def _saved(self, path: Path) -> None:
         self.callbacks.on_checkpoint(self.run, path)

@@ -1,6 +1,8 @@
 """Ways of training: how the processes of a job share the work. Each is one class on the ``Way`` interface,
-registered under the name its config selects, and chosen in one place (``choose``); nothing outside this
-folder asks which one is running.
+registered under the name its config selects, and chosen in one place (``choose``); nothing else in the
+training package asks which one is running (``tests/test_layout.py``; config rules across sections still name
+them, as does ``ReduceLROnPlateau``'s check that the parameter servers, which apply the schedule, see no
+validations).
 
 =================  ==========================================  =====================================
 name               selected by                                 what each rank holds and does

@@ -1,5 +1,6 @@
-"""The interface every way of training implements (``training.ways``). The trainer calls these in the
-order below, once each, except ``update`` and ``grad_sync`` which it builds once and calls every step."""
+"""The interface every way of training implements (``training.ways``). ``check`` runs before anything is
+written, ``groups`` with the logs (every rank), then ``serves``/``serve`` on a serving rank, or ``shard``,
+``update``, ``callbacks`` and ``grad_sync`` as the trainer builds its parts; ``readers`` is read throughout."""
 from __future__ import annotations
 
 from torch import nn
