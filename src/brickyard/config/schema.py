@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from brickyard.config.checks import check_transform, init_method, logger_names, rand_augment_policy
+from brickyard.config.checks import BUILT_IN_LOGGERS, check_transform, init_method, logger_names, rand_augment_policy
 from brickyard.config.rules import RULES
 from brickyard.config.values import with_changes
 from brickyard.errors import ConfigError
@@ -241,8 +241,9 @@ class TrainConfig(Section):
                       or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):
             raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] step numbers, first < last, "
                               f"at most 1,000 steps apart, e.g. [10, 15].")
-        names = logger_names()
-        for name in self.loggers:
+        unknown = [name for name in self.loggers if name not in BUILT_IN_LOGGERS]
+        names = logger_names() if unknown else BUILT_IN_LOGGERS  # the entry points are read only for a name of theirs
+        for name in unknown:
             if name not in names:
                 raise ConfigError(f"train.loggers: {name!r} is not one of {', '.join(names)}.")
 
