@@ -68,3 +68,19 @@ def test_a_checkpoint_whose_callback_states_hold_tensors_is_one_sentence(tmp_pat
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), (i, r.stderr[-1500:])
         assert "crashed" not in r.stderr and ("checkpoint" in lines[0] or "EMA" in lines[0]), (i, lines)
+
+
+def test_not_learning_stops_a_resumed_run_where_it_stops_an_uninterrupted_one(tmp_path):
+    """A model that does not learn (a rate of 1e-9) is stopped after 3 log windows at chance (steps 4, 8, 12); the
+    same run resumed from its checkpoint of step 8 is stopped at step 12 too (its streak is in the checkpoint)."""
+    import shutil
+    stuck = sets("optim.lr=1e-9", "train.log_every=4", "train.epochs=5", "train.stop_if_not_learning=true")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    r = run_cli("train", "mnist", *S, *stuck, "--device", "cpu", "--run-dir", str(whole))
+    assert r.returncode == 1 and "not learning: for 3 log windows up to step 12" in r.stderr, r.stderr
+    shutil.copytree(whole, parts)
+    for later in [p for p in (parts / "checkpoints").iterdir() if p.name != "step-0000008.pt"]:
+        later.unlink()
+    r = run_cli("train", "mnist", *S, *stuck, "--device", "cpu", "--run-dir", str(parts), "--resume", "auto")
+    assert "resumed from" in (parts / "train.log").read_text()
+    assert r.returncode == 1 and "not learning: for 3 log windows up to step 12" in r.stderr, r.stderr
