@@ -64,7 +64,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def resolve_channels_last(value, precision: str, device: torch.device) -> bool:
-    """``train.channels_last``; ``auto`` is on (for image data; ``training.setup`` leaves it off for
+    """``train.channels_last``; ``auto`` is on (for image data; ``training.trainer.place`` leaves it off for
     other inputs and under FSDP). Why a rule and not a measurement: it was faster for every conv net
     measured, on CPU in fp32 and bf16 (+40-50%, docs/benchmarks.md) and on GPUs, and a net without
     convolutions computes the same either way, so timing both per run would cost a second to confirm
