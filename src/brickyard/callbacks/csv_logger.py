@@ -2,13 +2,12 @@
 is the ``csv`` logger (``brickyard.observe.loggers.files.CSV``), which writes the same columns from the rows."""
 from __future__ import annotations
 
-import csv
 import time
 from pathlib import Path
 
 from brickyard.callbacks.base import Callback
 from brickyard.files import naming
-from brickyard.observe.loggers.files import drop_rows_after
+from brickyard.observe.loggers.files import open_csv
 
 
 class CSVLogger(Callback):
@@ -26,14 +25,7 @@ class CSVLogger(Callback):
         if run.rank != 0:
             return
         self.path = self.path if self.path.is_absolute() else Path(run.run_dir) / self.path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if run.step and self.path.is_file():
-            drop_rows_after(self.path, run.step)  # a resumed run trains those steps again
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        self.f = open(self.path, "a", newline="", buffering=1)
-        self.writer = csv.writer(self.f)
-        if new:
-            self.writer.writerow(self.COLUMNS)
+        self.f, self.writer = open_csv(self.path, run.step, self.COLUMNS)
         self.start = time.perf_counter()
 
     def on_validation_end(self, run, metrics):

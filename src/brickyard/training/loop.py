@@ -83,8 +83,8 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
             where = run_dir_of(run_dir, cfg.preset)
             start = _Start(cfg, model, data, user, info, way, host, where, resume,
                            Path(log_dir) if log_dir else where / "logs", started, rss)
-            with _locked(where, resume, info) as rundir, _reported(start) as session:
-                trainer = _build(start, rundir, session)
+            with _locked(where, resume, info) as rundir, _reported(start) as opened:
+                trainer = _build(start, rundir, opened)
                 if trainer is None:  # a parameter server: it served until the trainers were done
                     return {}
                 summary = trainer.fit(started)
@@ -120,7 +120,7 @@ def _torch_flags():
 
 
 @dataclasses.dataclass(eq=False)
-class _Session:
+class _Opened:
     """What a run's logs and its agreement with the other ranks are: open while the run is."""
     log: Logger
     metrics: Loggers                      # where every row goes (none on ranks other than 0)
@@ -136,33 +136,33 @@ def _reported(s: _Start):
     store for the ranks whose collectives its leaving fails."""
     info = s.info
     log = Logger(info.rank, tuple([s.log_dir / f"workerlog.{info.rank}"] + ([s.run_dir / "train.log"] if info.is_main else [])))
-    session = _Session(log, Loggers())
+    opened = _Opened(log, Loggers())
     heartbeat, done = None, False
     try:
         if info.is_main:
-            session.metrics = for_run(train_loggers(s.config.train), s.user.loggers, log.warning)
+            opened.metrics = for_run(train_loggers(s.config.train), s.user.loggers, log.warning)
         # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
         # left alone): it may wait on something with no timeout of its own
         lost = failures.cut_off(info.rank, s.log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
         heartbeat = dist.Heartbeat(info, on_lost=lost)
-        session.group, session.messages = s.way.groups()  # collective: every rank, in this order
+        opened.group, opened.messages = s.way.groups()  # collective: every rank, in this order
         if not s.way.serves(info.rank):
-            session.vote = dist.StopVote(info, warn=log.warning, group=session.group)
-        yield session
+            opened.vote = dist.StopVote(info, warn=log.warning, group=opened.group)
+        yield opened
         done = True
     except BrickyardError as e:
         log.error(str(e), exc_info=isinstance(e, UserCodeError))  # the user's traceback, in the run's logs too
-        _leave_cause(session.vote, e)
+        _leave_cause(opened.vote, e)
         raise
     except OSError as e:  # a full disk, a size limit, permissions: the CLI names the file and the reason
         log.error(os_error(e))
-        _leave_cause(session.vote, e)
+        _leave_cause(opened.vote, e)
         raise
     except Exception as e:  # noqa: BLE001  said in one sentence where it means something; else a crash, logged whole
-        explained = failures.explain(e, session.config or s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir,
-                                     session.vote) if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
+        explained = failures.explain(e, opened.config or s.config, s.model, s.data, s.host.device, info, log, heartbeat, s.log_dir,
+                                     opened.vote) if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) else e
         if explained is not e:
-            _leave_cause(session.vote, explained)  # out of memory on this rank's device
+            _leave_cause(opened.vote, explained)  # out of memory on this rank's device
             raise explained from None
         log.error(f"crashed: {type(e).__name__}: {e}", exc_info=e)
         e.logged_in = [str(h.baseFilename) for h in log.handlers if hasattr(h, "baseFilename")]  # what the CLI names
@@ -173,7 +173,7 @@ def _reported(s: _Start):
         try:
             # after a failure, that failure is the one to say (a full disk fails a cut row's flush again here)
             with contextlib.nullcontext() if done else contextlib.suppress(OSError):
-                session.metrics.finish(done)
+                opened.metrics.finish(done)
         finally:
             log.close()
 
@@ -189,10 +189,10 @@ def _leave_cause(vote, e: BaseException) -> None:
         vote.leave_cause(str(e), e.exit_code)
 
 
-def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
+def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
     """Resolve the rest (batch size, plan, precision), then build the trainer, restore it and write the run's
     record; None on a serving rank, once it has served."""
-    cfg, info, log, metrics = s.config, s.info, session.log, session.metrics
+    cfg, info, log, metrics = s.config, s.info, opened.log, opened.metrics
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
         cfg = cfg.replace(**{"data.batch_size": auto_batch(cfg, s.model, s.data, s.host.device, info, log)})
@@ -203,9 +203,9 @@ def _build(s: _Start, rundir: RunDir, session: _Session) -> Trainer | None:
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
     compiled = dev.resolve_compile(cfg.train.compile, s.host.device, sum(p.numel() for p in s.model.parameters()),
                                    the_plan.total_steps)
-    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, session.group,
-              session.messages, session.vote, s.rss_at_start_mb, compiled)
-    session.config = cfg  # an out-of-memory error names the batch size auto chose
+    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, opened.group,
+              opened.messages, opened.vote, s.rss_at_start_mb, compiled)
+    opened.config = cfg  # an out-of-memory error names the batch size auto chose
     if s.way.serves(info.rank):
         serve(job, s.model, s.data, log)
         return None

@@ -45,6 +45,20 @@ class JSONL(Logger):
                 f.close()
 
 
+
+def open_csv(path: Path, step: int, columns) -> tuple:
+    """``path`` opened to append rows (line-buffered), after the rows past ``step`` of a resumed run are dropped;
+    the header written where the file is new. Returns (file, ``csv.writer``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if step and path.is_file():
+        drop_rows_after(path, step)  # a resumed run trains those steps again
+    new = not path.exists() or path.stat().st_size == 0
+    f = open(path, "a", newline="", buffering=1)
+    writer = csv.writer(f)
+    if new:
+        writer.writerow(columns)
+    return f, writer
+
 class CSV(Logger):
     """One CSV row per validation: step, epoch, learning rate and training loss of the latest log step (empty
     before the first), the validation metrics and the seconds since the run's first row (its ``start``). Flushed
@@ -64,14 +78,7 @@ class CSV(Logger):
 
     def _open(self) -> None:
         """At the run's first row (its ``start``): a start refused before then leaves no file."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.step and self.path.is_file():
-            drop_rows_after(self.path, self.step)  # a resumed run trains those steps again
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        self.f = open(self.path, "a", newline="", buffering=1)
-        self.writer = csv.writer(self.f)
-        if new:
-            self.writer.writerow(self.COLUMNS)
+        self.f, self.writer = open_csv(self.path, self.step, self.COLUMNS)
         self.started = time.perf_counter()
 
     def log(self, row: dict) -> None:
