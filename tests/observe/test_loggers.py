@@ -67,7 +67,7 @@ def rows_of(fan):
 
 
 def test_the_registry_lists_the_built_ins_and_says_what_is_unknown_or_missing(monkeypatch):
-    assert loggers.names()[:5] == ["jsonl", "tensorboard", "csv", "mlflow", "wandb"]
+    assert loggers.names()[:6] == ["jsonl", "console", "tensorboard", "csv", "mlflow", "wandb"]
     loggers.check(["jsonl", "tensorboard", "csv"])
     with pytest.raises(ConfigError, match=r"^train.loggers: 'neptune' is not one of tensorboard, csv, mlflow, wandb\.$"):
         loggers.check(["csv", "neptune"])
@@ -90,7 +90,7 @@ def test_a_package_adds_a_logger_through_the_entry_point_group(tmp_path, monkeyp
     (meta / "entry_points.txt").write_text("[brickyard.loggers]\nmine = mylogs:Mine\nbad = mylogs:NotOne\n"
                                            "csv = mylogs:Mine\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert loggers.names() == ["jsonl", "tensorboard", "csv", "mlflow", "wandb", "bad", "mine"]
+    assert loggers.names() == ["jsonl", "console", "tensorboard", "csv", "mlflow", "wandb", "bad", "mine"]
     made = loggers.create("mine")
     assert type(made).__name__ == "Mine" and made.name == "mine"
     assert isinstance(loggers.create("csv"), CSV)  # a built-in's name stays the built-in's

@@ -1,5 +1,5 @@
 """Callbacks: the contract (``base``), the built-ins users pass to ``fit`` (one module each), and
-brickyard's own behaviours on the same interface (``progress``, ``checkpointing``, ``not_learning``,
+brickyard's own behaviours on the same interface (``checkpointing``, ``not_learning``,
 ``test_every``, ``watching``). See ``brickyard.callbacks.base`` for the hooks and their order."""
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 A ``Callback`` has one no-op method per moment of training; subclass it and override the ones you
 need, then pass instances to ``brickyard.fit(..., callbacks=[...])``. brickyard's own behaviours
-(checkpoints, the progress log, TensorBoard, watched layers, boost snapshots) are callbacks on the
-same interface.
+(checkpoints, early stopping, watched layers, boost snapshots) are callbacks on the same interface; the
+progress lines and the metrics are loggers (``brickyard.observe.loggers``), fed by the trainer.
 
 The hooks, in the order a run calls them::
 
@@ -23,7 +23,12 @@ The hooks, in the order a run calls them::
 Callbacks run on every rank, in the order given, after brickyard's own. ``on_validation_end`` and
 ``on_train_end`` follow collectives, so every rank sees the same metrics there; ``on_step_end`` is
 not a sync point, and ``loss.item()`` in it forces one (a device-to-host copy) on GPUs: read it
-every N steps, as the progress log does.
+every N steps, as the trainer does at its log steps.
+
+The ``run`` a hook gets is read-only (``training.run.RunView``): every field and method reads as on the
+``Run``, and setting one of its fields raises ``AttributeError`` naming it and what to do instead, but
+``run.lr_scale``; ``run.stop()`` and ``run.use_eval_weights()`` ask the trainer for the rest. A callback's own
+state belongs on the callback (``self.x``); a name the run does not have is still kept on it, as before.
 
 ``run.stop(reason)`` ends training after the current step on every rank: a stop asked for at the
 end of an epoch takes effect there; one asked for in the middle takes effect at once in a single
@@ -53,7 +58,8 @@ HOOKS = ("on_train_start", "on_epoch_start", "on_step_start", "on_before_update"
 
 
 class Callback:
-    """Override any of the hooks; each gets the ``Run`` (``brickyard.Run``)."""
+    """Override any of the hooks; each gets the run, read-only but ``lr_scale`` (a ``RunView`` of the
+    ``brickyard.Run``: ``training.run``)."""
 
     state_key_fields: tuple[str, ...] = ()  # attributes that tell two instances of one class apart
 
@@ -120,10 +126,11 @@ def monitored(metrics: dict, monitor: str, who: str, advice: str = "") -> float:
 
 class CallbackList:
     """Calls a hook on every callback in order. Two callbacks with one ``state_key`` are refused (their
-    states would overwrite each other in a checkpoint)."""
+    states would overwrite each other in a checkpoint). Made with a ``view`` (the trainer's ``RunView``), it hands
+    every hook and ``summary`` that view in place of the run it is called with: callbacks see the run read-only."""
 
-    def __init__(self, callbacks):
-        self.callbacks = list(callbacks)
+    def __init__(self, callbacks, view=None):
+        self.callbacks, self.view = list(callbacks), view
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"callbacks: {cb!r} is not a brickyard.Callback (subclass it and override its hooks).")
@@ -135,11 +142,12 @@ class CallbackList:
         for hook in HOOKS:  # only the callbacks that override a hook are called for it
             wanted = [(cb, getattr(cb, hook), type(cb).__module__.startswith("brickyard.")) for cb in self.callbacks
                       if _overrides(cb, hook)]
-            setattr(self, hook, self._caller(hook, wanted))
+            setattr(self, hook, self._caller(hook, wanted, view))
 
     @staticmethod
-    def _caller(hook: str, wanted):
-        def call(*args):
+    def _caller(hook: str, wanted, view):
+        def call(run, *args):
+            args = (run if view is None else view, *args)
             for cb, fn, own in wanted:
                 if own:
                     fn(*args)  # brickyard's own: its failures (a lost peer, a full disk) are handled where they mean something
@@ -158,7 +166,7 @@ class CallbackList:
         out = {}
         for cb in self.callbacks:
             if _overrides(cb, "summary"):
-                out.update(cb.summary(run) or {})
+                out.update(cb.summary(run if self.view is None else self.view) or {})
         return out
 
     def state_dict(self) -> dict:

@@ -22,7 +22,7 @@ class Checkpointing(Callback):
 
     def save(self, run, metric: float | None = None) -> None:
         self.saved_at = run.step
-        self.checkpoints.save(run, metric)  # sets run.last_checkpoint and calls on_checkpoint (rank 0)
+        self.checkpoints.save(run, metric)  # the trainer sets run.last_checkpoint, calls on_checkpoint (rank 0)
 
     def on_step_end(self, run, loss):
         if self.every_steps and run.step % self.every_steps == 0:

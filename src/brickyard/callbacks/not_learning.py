@@ -16,7 +16,7 @@ class NotLearning(Callback):
     accuracy within 1.5x of chance for ``windows`` log windows in a row, after the first tenth of
     the run. One warning, recorded in the summary; ``train.stop_if_not_learning`` ends the run
     there (exit code 1, the checkpoints already written kept). Reads ``run.train_loss`` and
-    ``run.train_accuracy``, which ``ProgressLog`` (before it in the list) sets on log steps: no host sync of its own."""
+    ``run.train_accuracy``, which the trainer sets at log steps before any ``on_step_end``: no host sync of its own."""
 
     def __init__(self, windows: int = 3, stop: bool = False):
         self.windows, self.stop, self.streak, self.said = windows, stop, 0, None

@@ -95,7 +95,7 @@ class Checkpoints:
     """The one owner of a run's checkpoint files (see the module docstring). Every rank has one; only the
     one with ``write`` (rank 0) touches files. ``state_of()`` is what a checkpoint holds (the trainer's
     ``state_dict``); ``sharded``: every rank gathers it (FSDP), rank 0 writes it; ``saved(path)`` is called
-    after each file is written (the trainer's ``on_checkpoint``)."""
+    after each file is written (the trainer records it as ``run.last_checkpoint`` and calls ``on_checkpoint``)."""
 
     def __init__(self, folder: Path, keep_last: int, keep_best: bool, write: bool, guard=None,
                  state_of: Callable[[], dict] | None = None, sharded: bool = False,
@@ -149,8 +149,7 @@ class Checkpoints:
                 copy_atomic(path, self.folder / "best.pt")
         for old in step_checkpoints(self.folder)[:-self.keep_last]:
             old.unlink(missing_ok=True)
-        run.last_checkpoint = path
-        if self.saved is not None:
+        if self.saved is not None:  # the trainer records it as run.last_checkpoint
             self.saved(path)
         return path
 

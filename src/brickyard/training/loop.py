@@ -47,7 +47,7 @@ class _Start:
     data: DataBundle
     user: UserParts
     info: dist.DistInfo
-    way: ways.Way
+    way: ways.Way    # as chosen from the config given: asked only the job's shape (check, groups, serves, readers)
     host: dev.Host
     run_dir: Path
     resume: str | None
@@ -123,7 +123,7 @@ def _torch_flags():
 class _Opened:
     """What a run's logs and its agreement with the other ranks are: open while the run is."""
     log: Logger
-    metrics: Loggers                      # where every row goes (none on ranks other than 0)
+    metrics: Loggers                      # where every row goes (on ranks other than 0 the console alone)
     group: ProcessGroup | None = None     # the readers' process group (None: every rank)
     messages: ProcessGroup | None = None  # the way's own group (the parameter server's messages)
     vote: dist.StopVote | None = None  # None on a serving rank: it takes no part in the trainers' stops
@@ -139,8 +139,8 @@ def _reported(s: _Start):
     opened = _Opened(log, Loggers())
     heartbeat, done = None, False
     try:
-        if info.is_main:
-            opened.metrics = for_run(train_loggers(s.config.train), s.user.loggers, log.warning)
+        # rank 0: every logger; the others: the console alone, their own log file's progress lines
+        opened.metrics = for_run(train_loggers(s.config.train), s.user.loggers, log.warning, info.rank)
         # brickyard's own command ends itself once its node has lost the job's store for a while (a user's Python is
         # left alone): it may wait on something with no timeout of its own
         lost = failures.cut_off(info.rank, s.log_dir, dist.LOST_GRACE_S) if dist_env.OWN_PROCESS else None
@@ -190,23 +190,24 @@ def _leave_cause(vote, e: BaseException) -> None:
 
 
 def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
-    """Resolve the rest (batch size, plan, precision), then build the trainer, restore it and write the run's
-    record; None on a serving rank, once it has served."""
+    """Resolve the rest (batch size, plan, precision), then build the way of training from the resolved config and
+    the trainer, restore it and write the run's record; None on a serving rank, once it has served."""
     cfg, info, log, metrics = s.config, s.info, opened.log, opened.metrics
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
         cfg = cfg.replace(**{"data.batch_size": auto_batch(cfg, s.model, s.data, s.host.device, info, log)})
+    way = ways.choose(cfg, info)  # from the final config (workers and batch resolved): no part holds the one given
     found = ckpt.find(s.resume, s.run_dir / "checkpoints", log.warning, log.info) if s.resume else None
     if s.resume and s.resume != "auto":
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint
-    the_plan = plan(cfg, s.data, info, s.way.readers)  # batches, steps and schedule: decided once, here
+    the_plan = plan(cfg, s.data, info, way.readers)  # batches, steps and schedule: decided once, here
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
     compiled = dev.resolve_compile(cfg.train.compile, s.host.device, sum(p.numel() for p in s.model.parameters()),
                                    the_plan.total_steps)
-    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, s.way, opened.group,
+    job = Job(cfg, dataclasses.replace(s.host, precision=chosen), info, s.run_dir, the_plan, way, opened.group,
               opened.messages, opened.vote, s.rss_at_start_mb, compiled)
     opened.config = cfg  # an out-of-memory error names the batch size auto chose
-    if s.way.serves(info.rank):
+    if way.serves(info.rank):
         serve(job, s.model, s.data, log)
         return None
     trainer = Trainer(job, s.model, s.data, s.user, log, metrics)
@@ -217,11 +218,12 @@ def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
             log.info(line)
     trainer.wrap()
     # before config.yaml and env.json: a logger that cannot start is one sentence that leaves nothing behind
-    metrics.start(RunInfo(s.run_dir, cfg.to_dict(), trainer.run.step, info.world_size, log.warning))
+    metrics.start(RunInfo(s.run_dir, cfg.to_dict(), trainer.run.step, info.world_size, log.warning, info.rank))
     if info.is_main:
         rundir.claim()
         rundir.save_config(cfg)
         write_env(trainer, measured)
     announce(trainer, measured)
-    metrics.write(kind="start", step=trainer.run.step, world_size=info.world_size, total_steps=trainer.run.total_steps)
+    metrics.write(kind="start", step=trainer.run.step, world_size=info.world_size, total_steps=trainer.run.total_steps,
+                  steps_per_epoch=trainer.run.steps_per_epoch)
     return trainer

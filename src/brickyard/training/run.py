@@ -1,10 +1,12 @@
-"""``Run``: what a callback sees of one process's run (a training step sees it through its
-``StepContext``, ``training.step``); ``Meter``: what the loop measures.
+"""``Run``: one process's run as its trainer keeps it; ``RunView``: what a callback sees of it (read-only but
+``lr_scale``); a training step sees it through its ``StepContext`` (``training.step``); ``Meter``: what the loop
+measures.
 
 ``Run``'s fields are the public contract (documented in ``docs/extending.md`` and kept stable). The parts
-of a run are the trainer's (``training.trainer.Trainer``); what a callback may ask of it goes through
-``Run``'s methods, and what callbacks hand to each other goes through the logs or a documented field
-(``train_loss``, ``lr_scale``, ``metrics``).
+of a run are the trainer's (``training.trainer.Trainer``), and so are the fields: the trainer sets them
+(``train_loss`` and ``train_accuracy`` at log steps, ``metrics`` at evaluations, ``last_checkpoint``, ...). What a
+callback may ask of the trainer goes through ``Run``'s methods (``stop``, ``use_eval_weights``), and what callbacks
+hand to each other goes through the logs or a documented field (``train_loss``, ``lr_scale``, ``metrics``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class StepResult:
 
 
 class Meter:
-    """What the loop measures as it trains, read by the reports (``ProgressLog``, the summary). The loop
+    """What the loop measures as it trains, read by the reports (``training.report``, the summary). The loop
     owns it: it adds every step's result and runs the clock during the steps only (validation, the test
     and the stop agreement stay out of ``train_seconds``). Callbacks read it; ``read()`` is a sync point."""
 
@@ -156,3 +158,50 @@ class Run:
     def interrupted(self) -> bool:
         """Stopped by a signal (SIGINT, SIGTERM): the command ends with exit code 130."""
         return self._control.agreed is not None and self._control.agreed.kind == "signal"
+
+
+WRITABLE = ("lr_scale",)  # the fields a callback may set (``ReduceLROnPlateau``)
+_INSTEAD = {"lr": "set run.lr_scale, which multiplies the schedule's rate from the next step on",
+            "stopped": "call run.stop(reason)", "forward": "wrap the model before fit", "model": "wrap the model before fit",
+            "optimizer": "use schedule.name: none and a scheduler of your own on run.optimizer"}
+
+
+class RunView:
+    """A callback's view of the ``Run``: every field, property and method reads as on the run, and a name a step or
+    callback kept on the run reads through too. Setting one of the run's own fields (or methods) raises
+    ``AttributeError`` naming it and what to do instead: the trainer owns them. ``lr_scale`` is the one field a
+    callback sets; ``stop()`` and ``use_eval_weights()`` are how it asks for the rest. A name the run does not have
+    (a value of the user's own, as a ``train_step`` keeps one) is set on the run, as before; a callback's own state
+    belongs on the callback (``self.x``), where ``state_dict`` can save it."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Run):
+        object.__setattr__(self, "_run", run)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in RunView.__slots__:  # copy and pickle ask before __init__ ran
+            raise AttributeError(name)
+        return getattr(self._run, name)
+
+    def __setattr__(self, name, value):
+        if name in RunView.__slots__:
+            object.__setattr__(self, name, value)
+            return
+        _check_writable(name)
+        setattr(self._run, name, value)
+
+    def __delattr__(self, name):
+        _check_writable(name)
+        delattr(self._run, name)
+
+    def __repr__(self) -> str:
+        return f"RunView({self._run!r})"
+
+
+def _check_writable(name: str) -> None:
+    """Nothing for ``WRITABLE`` and for names that are none of ``Run``'s; else the sentence."""
+    if name in WRITABLE or not (name.startswith("_") or hasattr(Run, name) or name in Run.__dataclass_fields__):
+        return
+    instead = _INSTEAD.get(name, f"keep a value of your own on the callback (self.{name.lstrip('_')})")
+    raise AttributeError(f"run.{name} is read-only in a callback (the trainer sets it); {instead}")

@@ -5,14 +5,16 @@ for resume. torchtitan's ``Trainer.__init__`` (torchtitan/train.py) is the ancho
 (``training.ways``) supplies the parts that differ between data parallel, FSDP, the parameter server and
 dimension reduction.
 
-Callbacks see the run through ``Run`` (``training.run``), a training step through its ``StepContext``
-(``training.step``). Position in training is one integer, the optimiser ``step``: epoch = step //
-steps_per_epoch and the batch inside the epoch follow from it, the learning rate is a pure function of it,
+Callbacks see the run through a read-only ``RunView`` of its ``Run`` (``training.run``), a training step
+through its ``StepContext`` (``training.step``); the trainer sets the run's fields. Position in training is
+one integer, the optimiser ``step``: epoch = step // steps_per_epoch and the batch inside the epoch follow
+from it, the learning rate is a pure function of it,
 and the batch plan and augmentation are seeded from it. A checkpoint therefore needs only the weights,
 optimiser/scaler state, RNG state, callback state and ``step`` to resume exactly.
 
 Host syncs: the loop accumulates loss and accuracy sums on the device and reads them back (``.item()``
-after an all-reduce) only every ``train.log_every`` steps and at evaluations.
+after an all-reduce) only every ``train.log_every`` steps and at evaluations, into the rows every logger gets
+(``training.report``; the console's lines among them).
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ from brickyard.callbacks import Callback, CallbackList, from_config
 from brickyard.callbacks.checkpointing import Checkpointing, held_validation, rescored
 from brickyard.callbacks.not_learning import NotLearning
 from brickyard.callbacks.profiling import Profiling
-from brickyard.callbacks.progress import ProgressLog
 from brickyard.callbacks.test_every import TestEvery
 from brickyard.callbacks.watching import Histograms, Watching
 from brickyard.config import Config
@@ -49,8 +50,9 @@ from brickyard.training import activation_checkpointing
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training.evaluation import SplitEvaluator, finish
+from brickyard.training.report import Report
 from brickyard.training.resolve import Plan
-from brickyard.training.run import Control, Meter, Run
+from brickyard.training.run import Control, Meter, Run, RunView
 from brickyard.training.step import Losses, NanGuard, Totals, default_step, optimizer_step
 from brickyard.training.ways import Way
 from brickyard.training.ways.dim_reduce import snapshot_callbacks
@@ -102,6 +104,7 @@ class Trainer:
         self.check_each_step = cfg.train.nan_guard and host.device.type == "cpu"  # CPUs: reading the loss is no sync
         self.guard = NanGuard(cfg.train.nan_guard, way.sharded, self.losses.train)
         self.meter = Meter(Totals(host.device, job.group))
+        self.report = Report(self.meter, None if data.in_memory else "try more data.num_workers")
         self.control = Control(self.losses.train, lambda: self.update.describe(), way.stops_early)
         self.run = Run(cfg, self.model, build_optimizer(cfg.optim, self.param_groups), data, info.rank, info.world_size,
                        host.device, host.precision, job.run_dir, log, self.plan.steps_per_epoch, self.plan.total_steps,
@@ -115,17 +118,17 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpoints = ckpt.Checkpoints(job.run_dir / "checkpoints", c.keep_last, c.keep_best, info.is_main,
                                             self.guard, self.state_dict, way.sharded, self._saved)
+        self.view = RunView(self.run)  # what every hook gets: the run, read-only but lr_scale
         self.callbacks = CallbackList(self._own_callbacks(metrics) + way.callbacks(self.run, self.update, metrics)
-                                      + from_config(cfg) + list(user.callbacks))
+                                      + from_config(cfg) + list(user.callbacks), view=self.view)
         self.meta, self.metrics = user.meta, metrics
 
     def _own_callbacks(self, metrics) -> list[Callback]:
-        """brickyard's behaviours, then the config's built-ins. The order is part of the contract: ``ProgressLog``
-        sets ``run.train_loss`` before ``NotLearning`` reads it, and checkpoints are written before a user's
-        ``on_epoch_end`` sees ``run.last_checkpoint``."""
+        """brickyard's behaviours, then the config's built-ins. The order is part of the contract: checkpoints are
+        written before a user's ``on_epoch_end`` sees ``run.last_checkpoint``. (``run.train_loss``, which
+        ``NotLearning`` reads, is set by the trainer at a log step before any ``on_step_end``.)"""
         run, t, c = self.run, self.config.train, self.config.checkpoint
-        hint = None if self.data.in_memory else "try more data.num_workers"
-        own: list[Callback] = [ProgressLog(run, metrics, hint, self.guard), NotLearning(stop=t.stop_if_not_learning),
+        own: list[Callback] = [NotLearning(stop=t.stop_if_not_learning),
                                Checkpointing(self.checkpoints, c.every_steps, c.every_epoch, c.monitor)]
         if t.watch:
             own.append(Watching(Watcher(run.model, t.watch), t.watch_every, metrics))
@@ -214,13 +217,15 @@ class Trainer:
         return score
 
     def _saved(self, path: Path) -> None:
+        self.run.last_checkpoint = path
         self.callbacks.on_checkpoint(self.run, path)
 
     # the loop
 
     def fit(self, started: float) -> dict:
         """Train until ``total_steps`` or an agreed stop; the behaviours happen in the callbacks. The loop owns
-        the measurements (``run.meter``): each step's result, and the clock, which runs during steps only.
+        the measurements (``run.meter``): each step's result, and the clock, which runs during steps only; it
+        reports them to the loggers at log steps, validations and epoch ends (``_log_step``, ``Report``).
         Returns the summary (the test evaluation's included)."""
         run, cbs, meter, accum, vote = self.run, self.callbacks, self.meter, self.config.train.grad_accum, self.job.vote
         assert vote is not None  # a trainer's rank takes part in the vote (a serving rank builds no trainer)
@@ -230,6 +235,7 @@ class Trainer:
             while run.step < run.total_steps and run.stopped is None:
                 run.epoch, pos = divmod(run.step, run.steps_per_epoch)
                 meter.start_epoch()
+                self.report.open_window()
                 cbs.on_epoch_start(run)
                 batches = self.loader.epoch(run.epoch, pos * accum)
                 for _ in range(pos, run.steps_per_epoch):
@@ -237,6 +243,9 @@ class Trainer:
                     result = optimizer_step(self, batches)
                     meter.add(result)
                     run.step += 1
+                    self.metrics.progress(run.step)
+                    if run.step % self.config.train.log_every == 0 or run.step == run.total_steps:
+                        self._log_step()
                     cbs.on_step_end(run, result.loss)
                     if stop := vote.should_stop(run.step, self.control.request):  # polled once per step
                         self.control.agreed, run.stopped = stop, stop.reason
@@ -247,6 +256,7 @@ class Trainer:
                     break
                 if run.step % run.steps_per_epoch == 0 or run.step >= run.total_steps or run.stopped:  # an epoch ends
                     self._end_epoch()
+            self.metrics.progress(run.step, ended=True)
             cbs.on_loop_end(run)
         self.loader.close()  # the streaming loader's persistent workers
         self.update.finish()
@@ -258,6 +268,15 @@ class Trainer:
                               f"`brickyard train --run-dir {run.run_dir} --resume auto`{then}.")
         return self._summary(started)
 
+    def _log_step(self) -> None:
+        """The NaN guard, then the log window's row for every logger; it sets ``run.train_loss`` and
+        ``run.train_accuracy``, which callbacks read (``NotLearning``)."""
+        run = self.run
+        self.guard(run)  # before the loss read-back below, this loop's only host sync
+        row = self.report.train(run)
+        run.train_loss, run.train_accuracy = row["loss"], row["accuracy"]
+        self.metrics.write(**row)
+
     def _end_epoch(self) -> None:
         run = self.run
         self._agree_on_stop()  # a request made during the epoch (a time limit on one rank)
@@ -265,6 +284,7 @@ class Trainer:
             self._validate()
             self._agree_on_stop()  # a decision on the validation metrics (early stopping)
         self.meter.end_epoch()
+        self.metrics.write(**self.report.epoch(run))
         self.callbacks.on_epoch_end(run)
 
     def _validation_due(self) -> bool:
@@ -285,6 +305,7 @@ class Trainer:
             raise DataError(f"{err} The epoch trained before it is kept in {kept}: resume with `--resume auto` once the "
                             f"file is fixed.") from None
         run.metrics, run.validated_at = r, run.step
+        self.metrics.write(**self.report.val(run, r))
         self.callbacks.on_validation_end(run, r)
 
     def _agree_on_stop(self) -> None:

@@ -3,10 +3,12 @@
 Every metric brickyard reports is one **row**, a dict with ``kind`` (``start``, ``train``, ``val``, ``test``,
 ``epoch``, ``watch``, ``dim_reduce``, ``summary``), ``step``, ``time`` and the values; ``metrics.jsonl`` holds
 each row as one line. ``Loggers`` (``fanout``) hands every row to every logger of the run, at the same moments:
-the run's start, every ``train.log_every`` steps, each validation's end, each test, the end of training and the
-summary. Built in, by the name ``train.loggers`` takes: ``jsonl`` (``metrics.jsonl``, always on), ``csv``
-(``metrics.csv``), ``tensorboard``, ``mlflow``, ``wandb``. Console progress stays the ``ProgressLog`` callback:
-its lines say more than a row does (the time waiting for data, the train/validation gap).
+the run's start, every ``train.log_every`` steps, each validation's end, each epoch's end, each test, the end of
+training and the summary. The numbers of a log step's ``train`` row (the window's loss, accuracy, images/s, wait
+for data) are the trainer's, computed once (``training.report``). Built in, by the name ``train.loggers`` takes:
+``jsonl`` (``metrics.jsonl``) and ``console`` (the progress lines in the run's log and, as ``train.progress``
+says, on the terminal: ``observe.loggers.console``), both always on, ``csv`` (``metrics.csv``), ``tensorboard``,
+``mlflow``, ``wandb``.
 
 A user's logger is a ``Logger`` subclass, added either way:
 - an instance passed to ``brickyard.fit(..., loggers=[MyLogger()])``;
@@ -14,7 +16,8 @@ A user's logger is a ``Logger`` subclass, added either way:
   (``[project.entry-points."brickyard.loggers"] mine = "mypkg.logs:MyLogger"``), then ``--set
   train.loggers=[mine]`` from the CLI, with no change to brickyard. ``names()`` lists the built-ins and these.
 
-Loggers run on rank 0 only, as Lightning's do (``rank_zero_only``).
+Loggers run on rank 0 only, as Lightning's do (``rank_zero_only``); ``console`` runs on every rank, each writing
+its own ``logs/workerlog.N``.
 
 The interface follows Lightning's ``Logger`` ABC (``src/lightning/fabric/loggers/logger.py`` at 0a6ba10, lines
 28-100: ``log_hyperparams`` 69-78, ``log_metrics`` 58-67, ``finalize`` 93-100) and Keras's single ``logs`` dict
@@ -46,12 +49,15 @@ GROUP = "brickyard.loggers"  # the entry-point group a user's package registers 
 # that listing them (the config's check) imports neither torch nor a tracker's client
 _BUILTIN = {
     "jsonl": ("brickyard.observe.loggers.files", "JSONL", None),
+    "console": ("brickyard.observe.loggers.console", "Console", None),
     "tensorboard": ("brickyard.observe.tensorboard", "TensorBoard", None),  # missing package: a warning, no files
     "csv": ("brickyard.observe.loggers.files", "CSV", None),
     "mlflow": ("brickyard.observe.loggers.trackers", "MLflow", "mlflow"),
     "wandb": ("brickyard.observe.loggers.trackers", "Wandb", "wandb"),
 }
-ALWAYS = ("jsonl",)  # on in every run: metrics.jsonl marks a directory as a run's, and a resume reads it back
+# on in every run: metrics.jsonl marks a directory as a run's, and a resume reads it back; the console's lines are
+# the run's log (train.progress decides what of them the terminal shows)
+ALWAYS = ("jsonl", "console")
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class RunInfo:
     step: int = 0                 # the step training starts from: 0, or where a resume picks up (rows past it are gone)
     world_size: int = 1
     warn: Callable[[str], None] = field(default=print, repr=False)  # the run's log: one line, at warning level
+    rank: int = 0                 # this process's (loggers run on rank 0; ``console`` on every rank)
 
     @property
     def hyperparameters(self) -> dict:
@@ -79,6 +86,8 @@ class Logger(ABC):
       do not change it. Rows from a resumed run continue at ``run.step + 1``.
     - ``log_histograms(step, tensors)``: weight and gradient histograms (``train.histograms_every``), CPU tensors
       named ``weights/NAME`` and ``grads/NAME``; built only when some logger overrides it.
+    - ``progress(step, ended)``: after every optimiser step, and once with ``ended`` when the loop ends (before the
+      test evaluation): a display's cue (``console``'s bar), no row; called only where a logger overrides it.
     - ``finish(ok)`` once at the end: ``ok`` False after a failure or a stop by a signal.
     - ``essential``: an exception out of ``log`` ends the run (brickyard's own files: a full disk must not go
       unsaid). Otherwise the logger is dropped with one warning and training goes on.
@@ -103,6 +112,9 @@ class Logger(ABC):
 
     def log_histograms(self, step: int, tensors: dict) -> None:  # noqa: B027  optional, unlike log
         """Weight and gradient histograms at ``step`` (``train.histograms_every``); most loggers ignore them."""
+
+    def progress(self, step: int, ended: bool = False) -> None:  # noqa: B027  optional, unlike log
+        """After every optimiser step (``step``: the steps taken), and with ``ended`` once the loop is over."""
 
     def finish(self, ok: bool) -> None:  # noqa: B027  optional, unlike log
         """Called once at the end; ``ok`` False after a failure or a stop by a signal."""

@@ -91,6 +91,7 @@ class Loggers:
         self.workers: dict[int, _Worker] = {}
         self.started: list[Logger] = []
         self.histograms_wanted = any(type(lg).log_histograms is not Logger.log_histograms for lg in self.loggers)
+        self.displays = [lg for lg in self.loggers if type(lg).progress is not Logger.progress]  # called every step
 
     def start(self, run: RunInfo) -> None:
         """Start each logger in order; the first that fails is one sentence, the ones started are finished."""
@@ -123,6 +124,12 @@ class Loggers:
         row.setdefault("time", round(time.time(), 3))
         for lg in list(self.loggers):  # a user's logger gets a copy: one that changes its row changes no other's
             self._call(lg, lg.log, row if lg.essential else dict(row))
+
+    def progress(self, step: int, ended: bool = False) -> None:
+        """Tell the loggers that show progress (``Logger.progress``) that a step was taken, or that the loop ended."""
+        for lg in self.displays:
+            if lg in self.loggers:  # not one dropped since
+                self._call(lg, lg.progress, step, ended)
 
     def histograms(self, step: int, model) -> None:
         """Weight and gradient histograms of ``model`` for the loggers that take them (copies on the CPU)."""
@@ -196,9 +203,12 @@ class Loggers:
             raise first_error
 
 
-def for_run(names: Iterable[str], given: Iterable[Logger] = (), warn: Callable[[str], None] = print) -> Loggers:
-    """Rank 0's loggers: ``metrics.jsonl`` first, then the ``train.loggers`` names (sorted), then ``given``
-    (instances passed to ``fit``)."""
+def for_run(names: Iterable[str], given: Iterable[Logger] = (), warn: Callable[[str], None] = print,
+            rank: int = 0) -> Loggers:
+    """This process's loggers. Rank 0: ``metrics.jsonl`` and the console first, then the ``train.loggers`` names
+    (sorted), then ``given`` (instances passed to ``fit``); any other rank: the console alone (its own log file)."""
+    if rank != 0:
+        return Loggers([create("console")], warn)
     chosen = list(ALWAYS) + sorted(set(names) - set(ALWAYS))
     return Loggers([create(name) for name in chosen] + list(given), warn)
 
