@@ -60,7 +60,7 @@ def hand_loop(model_name, images, labels, batch, steps, device, precision, chann
     return steps * batch / (time.perf_counter() - start)
 
 
-def brickyard_loop(model_name, batch, steps, device_name, n_train, image=(1, 28, 28)):
+def brickyard_loop(model_name, batch, steps, device_name, n_train, image=(1, 28, 28), extra=()):
     cfg = load_config("mnist", [
         "data.name=synthetic", f"data.synthetic.num_train={n_train}", "data.synthetic.num_val=0",
         f"data.synthetic.channels={image[0]}", f"data.synthetic.height={image[1]}", f"data.synthetic.width={image[2]}",
@@ -69,6 +69,7 @@ def brickyard_loop(model_name, batch, steps, device_name, n_train, image=(1, 28,
         "train.log_every=100000", "checkpoint.every_epoch=false", "checkpoint.keep_best=false", "schedule.name=constant",
         # the hand loop's optimiser and loss (the default recipe's Adam and label smoothing would not be like for like)
         "optim.name=nesterov", "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0005", "optim.label_smoothing=0",
+        *extra,
     ])
     data = build_data(cfg.data)
     torch.manual_seed(0)
@@ -85,6 +86,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, help="default 15, or the case's")
     p.add_argument("--device", default="auto")
     p.add_argument("--image", default="1x28x28", help="C x H x W of the synthetic images")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config value for brickyard's side (repeatable), e.g. train.cuda_graphs=false")
     p.add_argument("--case", choices=sorted(CASES), help="a bigger model: sets --model and --image, and the defaults of "
                    "--batch, --steps and --rounds (sized for a CPU; give larger ones on a GPU)")
     a = p.parse_args(argv)
@@ -106,11 +109,11 @@ def main(argv=None):
     hand, ours = [], []
     for r in range(a.rounds):
         hand.append(hand_loop(a.model, data.train.images, data.train.labels, a.batch, a.steps, device, precision, channels_last))
-        ours.append(brickyard_loop(a.model, a.batch, a.steps, str(device), n_train, image)[0])
+        ours.append(brickyard_loop(a.model, a.batch, a.steps, str(device), n_train, image, a.set)[0])
         print(f"round {r}: hand {hand[-1]:,.0f} img/s, brickyard {ours[-1]:,.0f} img/s", flush=True)
     h, o = statistics.median(hand), statistics.median(ours)
     print(f"hardware: {dev.describe(device)}; torch {torch.__version__}")
-    print(f"settings: model {a.model}, images {'x'.join(map(str, image))}, batch {a.batch}, {a.steps} steps x {a.rounds} rounds, precision {precision}, "
+    print(f"settings: model {a.model}{''.join(' --set ' + v for v in a.set)}, images {'x'.join(map(str, image))}, batch {a.batch}, {a.steps} steps x {a.rounds} rounds, precision {precision}, "
           f"channels_last {channels_last}, in-memory data")
     print(f"hand-written loop: median {h:,.0f} img/s (min {min(hand):,.0f}, max {max(hand):,.0f})")
     print(f"brickyard:         median {o:,.0f} img/s (min {min(ours):,.0f}, max {max(ours):,.0f})")

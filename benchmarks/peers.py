@@ -20,7 +20,8 @@ test accuracy. "default" runs each at its own default precision (brickyard `auto
 "fp32" pins all three. The peers run in a venv of their own (`--venv`, made on first use with
 `pip install torch==<this torch> lightning accelerate`, which never changes the torch installed here).
 
-    python benchmarks/peers.py [--rounds 3] [--venv .cache/peers-venv] [--only default|fp32]
+    python benchmarks/peers.py [--rounds 3] [--venv .cache/peers-venv] [--only default|fp32] [--device cuda]
+                               [--python PY]   # an interpreter with lightning and accelerate, in place of --venv
 """
 import argparse
 import json
@@ -98,7 +99,7 @@ class LoopClock(L.Callback):  # the steps only, as brickyard's train_seconds: ev
 torch.manual_seed(0)
 train, val, test = mnist()
 clock = LoopClock()
-trainer = L.Trainer(max_steps=TOTAL, precision=sys.argv[1], accelerator="cpu", devices=1, callbacks=[clock],
+trainer = L.Trainer(max_steps=TOTAL, precision=sys.argv[1], accelerator="gpu" if sys.argv[2] == "cuda" else "cpu", devices=1, callbacks=[clock],
                     enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False)
 model = Net()
 trainer.fit(model, DataLoader(TensorDataset(*train), batch_size=256, shuffle=True), DataLoader(TensorDataset(*val), batch_size=250))
@@ -111,7 +112,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 torch.manual_seed(0)
-accelerator = Accelerator(mixed_precision=sys.argv[1], cpu=True)
+accelerator = Accelerator(mixed_precision=sys.argv[1], cpu=sys.argv[2] != "cuda")
 train, val, test = mnist()
 model = mnist_fast()
 opt, sched = optimiser(model)
@@ -168,8 +169,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--venv", default=str(ROOT / ".cache" / "peers-venv"))
     p.add_argument("--only", choices=("default", "fp32"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where all three train (one device)")
+    p.add_argument("--python", help="an interpreter that has lightning and accelerate (instead of --venv)")
     args = p.parse_args()
-    py = venv_python(Path(args.venv))
+    py = Path(args.python) if args.python else venv_python(Path(args.venv))
     env = dict(os.environ)
     env.setdefault("BRICKYARD_DATA", str(ROOT.parent / "shared" / "datasets"))
     work = Path(tempfile.mkdtemp(prefix="brickyard-peers-"))
@@ -179,12 +182,14 @@ def main() -> None:
                                "accelerate.__version__, torch.__version__)"], capture_output=True, text=True).stdout.split()
     print(f"Lightning {versions[0]}, Accelerate {versions[1]} (torch {versions[2]}); brickyard with torch "
           f"{__import__('torch').__version__}; {args.rounds} rounds, commands interleaved", flush=True)
-    brickyard = [sys.executable, "-m", "brickyard", "train", "--set", "train.plots=false", "--set", "train.tensorboard=false"]
-    rows = {"default": {"brickyard": brickyard, "Lightning": [str(py), str(work / "lightning_mnist.py"), "32-true"],
-                        "Accelerate": [str(py), str(work / "accelerate_mnist.py"), "no"]},
+    brickyard = [sys.executable, "-m", "brickyard", "train", "--device", args.device, "--set", "train.plots=false",
+                 "--set", "train.tensorboard=false"]
+    dev = [args.device]
+    rows = {"default": {"brickyard": brickyard, "Lightning": [str(py), str(work / "lightning_mnist.py"), "32-true", *dev],
+                        "Accelerate": [str(py), str(work / "accelerate_mnist.py"), "no", *dev]},
             "fp32": {"brickyard": brickyard + ["--set", "train.precision=fp32"],
-                     "Lightning": [str(py), str(work / "lightning_mnist.py"), "32-true"],
-                     "Accelerate": [str(py), str(work / "accelerate_mnist.py"), "no"]}}
+                     "Lightning": [str(py), str(work / "lightning_mnist.py"), "32-true", *dev],
+                     "Accelerate": [str(py), str(work / "accelerate_mnist.py"), "no", *dev]}}
     for row, commands in rows.items():
         if args.only and row != args.only:
             continue

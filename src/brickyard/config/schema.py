@@ -206,6 +206,7 @@ class TrainConfig(Section):
     precision: str = _opt("auto", choices=("auto", "fp32", "bf16", "fp16"))
     channels_last: bool | str = _opt("auto", choices=(True, False, "auto"))
     compile: bool | str = _opt(False, choices=(True, False, "auto"), doc="torch.compile the model; auto: on CUDA for models of at least 5M parameters and runs of at least 15,000 steps, never on CPUs (see docs/training.md)")
+    cuda_graphs: bool | str = _opt("auto", choices=(True, False, "auto"), doc="capture the training step as a CUDA graph and replay it (one process on a GPU); auto: for models under 5M parameters where nothing in the step forbids it, and the log says what did (see docs/training.md)")
     activation_checkpointing: tuple | str = _opt((), choices_str=("auto",), names=True, doc="module name patterns (e.g. [blocks.*]) whose activations are recomputed in the backward pass, or auto (per model family)")
     grad_accum: int = _opt(1, min=1)
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")

@@ -205,8 +205,13 @@ def _cos(a: float, b: float, t: float) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """Each group's rate: ``lr`` times its ``lr_mult``; written into the group's tensor where the rate is one
+    (a step captured as a CUDA graph reads it on the device: ``training.graphs``)."""
     for g in optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_mult", 1.0)
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr * g.get("lr_mult", 1.0))
+        else:
+            g["lr"] = lr * g.get("lr_mult", 1.0)
 
 
 _NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)

@@ -37,6 +37,8 @@ def announce(trainer, measured: dict | None = None) -> None:
              + f", allocator {host.allocator}, world size {info.world_size}"
              + (f", gradient sync {trainer.grad_sync.name}" if info.world_size > 1 else "")
              + (", compiled" if trainer.compiled else "") + f", pid {os.getpid()}")
+    if trainer.graphs_note:
+        log.info(trainer.graphs_note)
     log.info(f"model {trainer.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")

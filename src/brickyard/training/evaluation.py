@@ -133,7 +133,7 @@ def finish(run, metrics, wall_start: float, evaluate_split: SplitEvaluator, fact
         train_seconds=round(run.meter.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(run.meter.images / max(run.meter.train_seconds, 1e-9), 1), device=str(run.device),
         world_size=run.world_size, mode=cfg.dist.mode, trainers=facts["trainers"], precision=run.precision,
-        channels_last=facts["channels_last"], compiled=facts["compiled"], model=facts["model"], data=data.name,
+        channels_last=facts["channels_last"], compiled=facts["compiled"], cuda_graphs=facts["cuda_graphs"], model=facts["model"], data=data.name,
         strategy=facts["strategy"], held_per_rank=fsdp.held_bytes(run.model, run.optimizer), **dev.peak_memory(run.device),
         host_rss_at_start_mb=round(facts["rss_at_start_mb"], 1),
         epoch_seconds=run.meter.epoch_seconds, run_dir=str(run.run_dir),

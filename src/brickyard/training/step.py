@@ -129,12 +129,16 @@ class Totals:
         self.count, self.group, self.classify = 0, group, None
 
     def add(self, loss_sum: torch.Tensor, out: torch.Tensor | None, y: torch.Tensor) -> None:
+        self.add_on_device(loss_sum, out, y)
+        self.count += len(y)
+
+    def add_on_device(self, loss_sum: torch.Tensor, out: torch.Tensor | None, y: torch.Tensor) -> None:
+        """The sums alone, without the host's count (what a captured step replays: ``training.graphs``)."""
         self.loss.add_(loss_sum.detach())
         if self.classify is None:
             self.classify = out is not None and is_classification(out, y)
         if self.classify and out is not None:  # one-hot rows, mixed targets: against the largest share
             self.correct.add_((out.detach().argmax(1) == class_targets(y)).sum())
-        self.count += len(y)
 
     def read(self) -> list[float]:
         both = torch.stack([self.loss, self.correct, torch.tensor(float(self.count), dtype=torch.float64, device=self.loss.device)])
@@ -233,13 +237,14 @@ def optimizer_step(trainer, batches) -> StepResult:
     return StepResult(loss_sum / len(y), (x, y), images, data_wait)
 
 
-def _call_step(ctx: StepContext, fn, x, y) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _call_step(ctx: StepContext, fn, x, y, cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step under autocast; its result checked: a 0-dim loss, optionally with the outputs, as a pair or a mapping
     of ``loss`` and ``outputs``. Lightning reads a ``training_step`` that returns a Mapping by its ``loss`` key and
     refuses one without it; the other keys go to its callbacks only (``ClosureResult.from_training_step_output`` in
-    src/lightning/pytorch/loops/optimization/automatic.py); here they are ignored."""
+    src/lightning/pytorch/loops/optimization/automatic.py); here they are ignored. ``cache``: autocast's cache of
+    cast weights (off in a step captured as a CUDA graph)."""
     run = ctx.run
-    with dev.autocast(run.device, run.precision):
+    with dev.autocast(run.device, run.precision, cache):
         try:
             result = fn(ctx, (x, y))
         except (BrickyardError, torch.OutOfMemoryError):

@@ -46,14 +46,14 @@ from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.observe.runlog import read_metrics
 from brickyard.optim import build_optimizer, param_groups
-from brickyard.training import activation_checkpointing
+from brickyard.training import activation_checkpointing, graphs
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
 from brickyard.training.evaluation import SplitEvaluator, finish
 from brickyard.training.report import Report
 from brickyard.training.resolve import Plan
 from brickyard.training.run import Control, Meter, Run, RunView
-from brickyard.training.step import Losses, NanGuard, Totals, default_step, optimizer_step
+from brickyard.training.step import Losses, NanGuard, Totals, default_step
 from brickyard.training.ways import Way
 from brickyard.training.ways.dim_reduce import snapshot_callbacks
 
@@ -122,6 +122,7 @@ class Trainer:
         self.callbacks = CallbackList(self._own_callbacks(metrics) + way.callbacks(self.run, self.update, metrics)
                                       + from_config(cfg) + list(user.callbacks), view=self.view)
         self.meta, self.metrics = user.meta, metrics
+        self.step_once, self.graphs_note = graphs.choose(self, bool(user.train_step or user.loss_fn), log)  # or eager
 
     def _own_callbacks(self, metrics) -> list[Callback]:
         """brickyard's behaviours, then the config's built-ins. The order is part of the contract: checkpoints are
@@ -155,7 +156,7 @@ class Trainer:
         run, data = self.run, self.data
         model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)
         return {
-            "model": model_state, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
+            "model": model_state, "optimizer": graphs.plain_lr(optimizer_state), "scaler": self.scaler.state_dict(),
             "rng": ckpt.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
             "best_metric": self.checkpoints.best_metric, "best_monitor": self.config.checkpoint.monitor,
             "best_step": self.checkpoints.best_step,
@@ -240,7 +241,7 @@ class Trainer:
                 batches = self.loader.epoch(run.epoch, pos * accum)
                 for _ in range(pos, run.steps_per_epoch):
                     cbs.on_step_start(run)
-                    result = optimizer_step(self, batches)
+                    result = self.step_once(self, batches)
                     meter.add(result)
                     run.step += 1
                     self.metrics.progress(run.step)
@@ -328,6 +329,7 @@ class Trainer:
     def _summary(self, started: float) -> dict:
         run, way = self.run, self.way
         facts = {"trainers": way.readers, "channels_last": self.channels_last, "compiled": self.compiled,
+                 "cuda_graphs": isinstance(self.step_once, graphs.GraphedStep) and self.step_once.captured,
                  "model": self.meta.get("name"), "strategy": way.summary_name(run.world_size),
                  "rss_at_start_mb": self.job.rss_at_start_mb}
         summary = finish(run, self.metrics, started, self.evaluate, facts, self.callbacks)

@@ -59,6 +59,12 @@ class Way:
         """brickyard's behaviours this way adds (after the trainer's own)."""
         return []
 
+    def capture_refusal(self) -> str | None:
+        """Why this way's step cannot be captured as a CUDA graph (``train.cuda_graphs``); None: it can."""
+        if self.info.world_size > 1:
+            return f"{self.info.world_size} processes train, and the gradient sync between them is not captured"
+        return None
+
     def summary_name(self, world: int) -> str:
         """The summary's ``strategy``."""
         return "none" if world == 1 else self.name

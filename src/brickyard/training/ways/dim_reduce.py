@@ -17,6 +17,9 @@ def trainable(model) -> list:
 class DimReduceWay(Collective):
     name = "ddp"
 
+    def capture_refusal(self) -> str | None:
+        return "dim_reduce trains in a subspace with its own update, which is not captured"
+
     def update(self, run, param_groups, loss_sum, scaler, group, messages):
         cfg, named = self.cfg, trainable(run.model)
         P = boost.resolve_subspace(cfg, run.run_dir, [n for n, _ in named], sum(p.numel() for _, p in named), run.log)

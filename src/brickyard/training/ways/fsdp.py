@@ -16,6 +16,9 @@ class FSDPWay(Way):
     name = "fsdp"
     shards_state = True
 
+    def capture_refusal(self) -> str | None:
+        return "dist.strategy: fsdp gathers and shards the parameters around each step, which is not captured"
+
     def __init__(self, cfg, info):
         super().__init__(cfg, info)
         self.keeps_layout = not info.distributed  # sharded, or one process with nothing to shard

@@ -12,6 +12,9 @@ from brickyard.training.ways.base import Way
 class ParameterServer(Way):
     name = "ps"
 
+    def capture_refusal(self) -> str | None:
+        return "dist.mode: ps sends the gradients to a server, which is not captured"
+
     def __init__(self, cfg, info):
         super().__init__(cfg, info)
         self.layout = ps.check_layout(cfg, info.world_size)
