@@ -59,7 +59,8 @@ def _cross_entropy_sum(logits, y):
 class EvalAccumulator:
     def __init__(self, num_classes: int, device: torch.device, loss_sum=None):
         self.c, self.loss_sum = max(num_classes, 1), loss_sum or _cross_entropy_sum
-        self.sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top1, top5, count
+        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, top1, top5
+        self.count = 0  # samples: a host number (a tensor made from it each batch would wait for the GPU)
         self.confusion = torch.zeros(self.c * self.c, device=device, dtype=torch.int64)
         self.classify, self.with_confusion = None, False
 
@@ -69,24 +70,25 @@ class EvalAccumulator:
             self.classify = is_classification(out, y)
             self.with_confusion = self.classify and out.shape[1] == self.c
         loss = self.loss_sum(out, y).double()
-        count = torch.tensor(float(len(y)), device=y.device, dtype=torch.float64)
+        self.count += len(y)
         y = class_targets(y) if self.classify else y
         if not self.classify:
-            self.sums += torch.stack([loss, loss.new_zeros(()), loss.new_zeros(()), count])
+            self.sums[0] += loss
             return None
         logits = out.float()
         pred = logits.argmax(1)
         k = min(5, logits.shape[1])
         top5 = (logits.topk(k, 1).indices == y[:, None]).any(1)
-        self.sums += torch.stack([loss, (pred == y).sum().double(), top5.sum().double(), count])
+        self.sums += torch.stack([loss, (pred == y).sum().double(), top5.sum().double()])
         if self.with_confusion:
             self.confusion += torch.bincount(y * self.c + pred, minlength=self.c * self.c)
         return pred
 
     def result(self, group=None) -> dict:
-        dist.all_reduce_sum(self.sums, group)
+        sums = torch.cat([self.sums, self.sums.new_tensor([float(self.count)])])
+        dist.all_reduce_sum(sums, group)
         dist.all_reduce_sum(self.confusion, group)  # on every rank, also one whose share was empty
-        loss, top1, top5, count = self.sums.tolist()
+        loss, top1, top5, count = sums.tolist()
         n = max(count, 1)
         if self.classify is False:
             return {"loss": loss / n, "accuracy": None, "top5": None, "count": int(count)}

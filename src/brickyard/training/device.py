@@ -78,6 +78,15 @@ COMPILE_MIN_PARAMS = 5_000_000  # ResNet-18 (11.7M), ResNet-50, VGG16, ViT-S; no
 COMPILE_MIN_STEPS = 15_000
 
 
+def cudnn_benchmark(n_params: int) -> bool:
+    """Whether cuDNN tries every kernel for each convolution shape first (``torch.backends.cudnn.benchmark``):
+    for models of ``COMPILE_MIN_PARAMS`` or more. On an H200 (2026-11-27, cProfile of the default MNIST recipe) the
+    first steps and evaluations of mnist_fast took about 1.7 s of trying kernels for its three convolutions, at
+    each batch shape (training, the short last batch, evaluation), which a run of a few hundred 0.4 ms steps
+    never wins back, while the plain script it is compared with does not try at all."""
+    return n_params >= COMPILE_MIN_PARAMS
+
+
 def resolve_compile(value, device: torch.device, n_params: int, steps: int) -> bool:
     """``train.compile``. ``auto`` compiles where compilation can pay for itself: on CUDA, for a model of
     at least 5M parameters, in a run of at least 15,000 steps. Never on CPUs: compiled small nets ran

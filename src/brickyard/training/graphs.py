@@ -169,6 +169,7 @@ class GraphedStep:
         return _body(trainer, x, y, weight)
 
     def _capture(self, trainer, x, y, weight, key) -> None:
+        started = time.perf_counter()
         sx, sy = x.clone(), y.clone()
         graph = Graph()
         trainer.run.optimizer.zero_grad(set_to_none=True)
@@ -181,7 +182,7 @@ class GraphedStep:
             return
         self.graph, self.static, self.key = graph, (sx, sy, loss_sum), key
         self.log.info(f"cuda graphs: the training step is captured at step {trainer.run.step} and replayed "
-                      f"(batches of {tuple(x.shape)})")
+                      f"(batches of {tuple(x.shape)}; {time.perf_counter() - started:.2f} s to capture)")
 
 
 def _body(trainer, x, y, weight: float) -> torch.Tensor:

@@ -347,7 +347,7 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, boo
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = dev.cudnn_benchmark(sum(p.numel() for p in model.parameters()))
     channels_last = host.channels_last and images and job.way.keeps_layout
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     if cfg.dist.sync_bn and info.distributed:
