@@ -10,7 +10,7 @@ from brickyard import models
 from brickyard.training import device as dev
 if sys.argv[1] == "tuned":
     assert dev.tune_allocator()
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # 2 OpenMP threads spin-wait on a loaded 2-core machine: 18-47 s a process, against 18 s
 m = models.create("mnist_fast").to(memory_format=torch.channels_last)
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 x, y = torch.randn(128, 1, 28, 28).contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (128,))
