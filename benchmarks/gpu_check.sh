@@ -10,7 +10,7 @@
 # Runs from a checkout without installing (PYTHONPATH=src); MNIST comes from $BRICKYARD_DATA or is
 # downloaded. Steps: 1 epoch at fp32, bf16 and fp16 (GradScaler) on one GPU; torchrun + NCCL with
 # one process per GPU (2 when there are 2; the parameter server on 3); `brickyard bench` scaling; `brickyard memory` estimate
-# vs the measured peak; the overhead ratios (small nets, ResNet-18, ResNet-50); ResNet-50 with
+# vs the measured peak; the overhead ratios (small nets, ResNet-18, ResNet-50); the step with and without CUDA graphs; ResNet-50 with
 # train.compile: auto against eager; FSDP on two devices where there are two; the time to 99%.
 # Where Fashion-MNIST is found ($BRICKYARD_DATA, /usr/share/datasets): the GPU recipes `fashion-resnet18` and
 # `d2l-resnet18`, the `fashion` preset, and every strong augmentation on the device (mixup, cutmix,
@@ -92,6 +92,7 @@ fi
 step "memory mnist" $PY -m brickyard memory mnist --devices $ONE
 step "memory resnet18 (synthetic data)" $PY -m brickyard memory fashion-resnet18 --devices $ONE --set data.name=synthetic
 step "overhead" $PY benchmarks/overhead.py --device "$DEVICE" --rounds "$ROUNDS"
+[ "$DEVICE" = cpu ] || step "the step five ways (CUDA graphs)" $PY benchmarks/cuda_graphs.py --rounds 3 --skip reduce-overhead
 if [ "$DEVICE" = cpu ]; then BIG="--rounds 2 --steps 2"; else BIG="--rounds $ROUNDS --steps 20"; fi
 step "overhead resnet18 (32 px)" $PY benchmarks/overhead.py --device "$DEVICE" --case resnet18 $BIG
 step "overhead resnet50 (224 px)" $PY benchmarks/overhead.py --device "$DEVICE" --case resnet50 $BIG $([ "$DEVICE" = cpu ] || echo --batch 128)

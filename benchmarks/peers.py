@@ -178,8 +178,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="brickyard-peers-"))
     (work / "lightning_mnist.py").write_text(LIGHTNING)
     (work / "accelerate_mnist.py").write_text(ACCELERATE)
-    versions = subprocess.run([str(py), "-c", "import lightning, accelerate, torch; print(lightning.__version__, "
-                               "accelerate.__version__, torch.__version__)"], capture_output=True, text=True).stdout.split()
+    found = subprocess.run([str(py), "-c", "import lightning, accelerate, torch; print(lightning.__version__, "
+                            "accelerate.__version__, torch.__version__)"], capture_output=True, text=True)
+    versions = found.stdout.split()
+    if found.returncode != 0 or len(versions) != 3:
+        raise SystemExit(f"error: {py} cannot import lightning and accelerate: {found.stderr.strip().splitlines()[-1:]}")
     print(f"Lightning {versions[0]}, Accelerate {versions[1]} (torch {versions[2]}); brickyard with torch "
           f"{__import__('torch').__version__}; {args.rounds} rounds, commands interleaved", flush=True)
     brickyard = [sys.executable, "-m", "brickyard", "train", "--device", args.device, "--set", "train.plots=false",
