@@ -3,6 +3,7 @@
 Every run pins fp32, one thread per process and deterministic kernels; 50 is a global batch that
 3 and 4 processes do not divide (17-17-16, 13-13-12-12)."""
 import json
+import shutil
 
 import pytest
 
@@ -136,19 +137,24 @@ def test_the_last_line_says_what_the_test_accuracy_is_of(capsys):
 
 
 def test_a_balanced_epoch_is_the_same_on_three_processes_and_after_a_resume_on_two(tmp_path):
-    """``data.balance`` draws each epoch from (seed, epoch): one process, three, and a run stopped on three and
-    resumed on two end with the same weights."""
+    """``data.balance`` draws each epoch from (seed, epoch): one process, three, and the run of three resumed on two
+    from its checkpoint mid-epoch end with the same weights. (A run stopped by train.max_steps and resumed on another
+    number of processes: test_resume_on_another_world_size_keeps_the_data_position.)"""
     balanced = SAME + ["data.balance=true", "schedule.name=constant", "data.classes=[0, 1, 2]", "data.train_per_class=0"]
     api.train_config(load_config("mnist", balanced), tmp_path / "one")
-    three = run_cli("train", "mnist", *sets(*balanced), "--devices", "cpu:3", "--run-dir", str(tmp_path / "three"))
+    # a checkpoint at step 8 (mid-epoch: 11 steps an epoch) kept, to resume from below
+    three = run_cli("train", "mnist", *sets(*balanced, "checkpoint.every_steps=8", "checkpoint.keep_last=10"),
+                    "--devices", "cpu:3", "--run-dir", str(tmp_path / "three"))
     assert three.returncode == 0, three.stderr
     assert "data.balance: each epoch draws" in three.stdout
     assert _diff(_final(tmp_path / "one"), _final(tmp_path / "three")) < ACROSS_ORDERS
-    first = run_cli("train", "mnist", *sets(*balanced, "train.max_steps=8"), "--devices", "cpu:3", "--run-dir",
-                    str(tmp_path / "r"))
-    assert first.returncode == 0, first.stderr
-    again = run_cli("train", "--set", "train.max_steps=20", "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"),
-                    "--resume", "auto")
+    # the three processes' run as it stood at step 8 (its checkpoint and config), resumed on two
+    run = tmp_path / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "three" / "config.yaml", run)
+    shutil.copy(tmp_path / "three" / "checkpoints" / "step-0000008.pt", run / "checkpoints")
+    again = run_cli("train", "--set", "train.max_steps=20", "--devices", "cpu:2", "--run-dir", str(run), "--resume", "auto")
     assert again.returncode == 0, again.stderr
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 20
-    assert _diff(_final(tmp_path / "one"), _final(tmp_path / "r")) < ACROSS_ORDERS
+    assert "step-0000008.pt at step 8" in (run / "logs" / "workerlog.1").read_text()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 20
+    assert _diff(_final(tmp_path / "one"), _final(run)) < ACROSS_ORDERS
