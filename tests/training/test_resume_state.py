@@ -52,22 +52,43 @@ FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"
 EMA_KEY, ES_KEY = "EMA{'decay': 0.99}", "EarlyStopping{'monitor': 'val_loss', 'min_delta': 0.0}"
 
 
+# `brickyard train --resume auto` on each run directory given, one after another in one process (torch imported
+# once, not once a case): each command's exit code and what it wrote to stderr, as JSON lines on stdout
+RESUMES = """
+import contextlib, io, json, sys
+from brickyard.cli.main import main
+for run in sys.argv[1:]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", run + "/config.yaml", "--run-dir", run, "--resume", "auto"])
+    print(json.dumps({"code": code, "stderr": err.getvalue()}), flush=True)
+"""
+
+
 def test_a_checkpoint_whose_callback_states_hold_tensors_is_one_sentence(tmp_path):
     """Checked when the run is resumed, before any step: never a crash report mid-run."""
     import shutil
+    import subprocess
+    import sys
 
     from brickyard.files import write_torch
     state = torch.load(FIXTURE / "checkpoints" / "step-0000008.pt", weights_only=True)
     es = state["callbacks"][ES_KEY]
+    runs = []
     for i, callbacks in enumerate([torch.zeros(3), {EMA_KEY: torch.zeros(2)}, {ES_KEY: {**es, "best": torch.ones(1)}},
                                    {ES_KEY: torch.ones(2, 2)}, {EMA_KEY: {"avg": [torch.zeros(2)]}, ES_KEY: es}]):
         run = tmp_path / f"r{i}"
         shutil.copytree(FIXTURE, run)
         write_torch({**state, "callbacks": callbacks}, run / "checkpoints" / "step-0000008.pt")
-        r = run_cli("train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "auto")
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), (i, r.stderr[-1500:])
-        assert "crashed" not in r.stderr and ("checkpoint" in lines[0] or "EMA" in lines[0]), (i, lines)
+        runs.append(str(run))
+    r = subprocess.run([sys.executable, "-c", RESUMES, *runs], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(runs), r.stdout[-3000:]
+    for i, said in enumerate(results):
+        lines = said["stderr"].strip().splitlines()
+        assert said["code"] != 0 and len(lines) == 1 and lines[0].startswith("error: "), (i, said["stderr"][-1500:])
+        assert "crashed" not in said["stderr"] and ("checkpoint" in lines[0] or "EMA" in lines[0]), (i, lines)
 
 
 def test_not_learning_stops_a_resumed_run_where_it_stops_an_uninterrupted_one(tmp_path):
