@@ -63,8 +63,10 @@ def _node(h, i, run, nnodes, extra=(), devices="cpu:1", config=SAME, rank=True):
     return h.popen(i, argv + (["--node-rank", str(i)] if rank else []))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path, nproc):
+def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path):
+    """Two processes a host: global ranks across hosts and local ranks within each. Two hosts of one process each
+    train the reference's weights in the Slurm, elastic, killed-node and resumed-on-one-node tests below."""
+    nproc = 2
     h = hosts(2)
     run = tmp_path / "run"
     second = _node(h, 1, run, 2, devices=f"cpu:{nproc}")  # the node that does not host the store starts first
