@@ -92,3 +92,28 @@ def synchronous_ps_runs_to_the_end(train, dist) -> None:
     if stops and dist.mode == "ps" and dist.ps.sync:
         raise ConfigError(f"{stops[0]}: a synchronous parameter-server run cannot stop before its last step yet; "
                           f"use dist.mode: collective.")
+
+
+@across("dist", "boost", "train", "data")
+def pipeline_alone(dist, boost, train, data) -> None:
+    """What ``dist.pipeline.stages`` above 1 does not combine with, and the batch its microbatches cut."""
+    p = dist.pipeline
+    if p.split and len(p.split) != p.stages - 1:
+        raise ConfigError(f"dist.pipeline.split names {len(p.split)} module(s) and dist.pipeline.stages is {p.stages}; "
+                          f"name stages - 1 = {p.stages - 1} split points.")
+    if p.stages == 1:
+        return
+    other = [key for on, key in (
+        (dist.mode == "ps", "dist.mode: ps (the servers hold the whole model)"),
+        (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
+        (dist.strategy == "fsdp", "dist.strategy: fsdp (sharding within a stage is not built yet)"),
+        (train.grad_accum != 1, f"train.grad_accum: {train.grad_accum} (the microbatches are the accumulation)"),
+    ) if on]
+    if other:
+        raise ConfigError(f"dist.pipeline.stages: {p.stages} does not combine with {other[0]}.")
+    # one pipeline reads the whole global batch: a device's batch is the recipe's global batch
+    m = p.microbatch_count()
+    key, batch = ("data.global_batch_size", data.global_batch_size) if data.global_batch_size else ("data.batch_size", data.batch_size)
+    if isinstance(batch, int) and batch % m:
+        raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch ({key}: {batch}); "
+                          f"choose a divisor of it.")

@@ -283,6 +283,17 @@ class FSDPConfig(Section):
 
 
 @dataclass(frozen=True)
+class PipelineConfig(Section):
+    stages: int = _opt(1, min=1, doc="pipeline stages: the model split at block boundaries into this many parts, one a process (1: off); docs/distributed.md")
+    schedule: str = _opt("gpipe", choices=("gpipe", "1f1b"), doc="torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B")
+    microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into; auto: 2 x stages")
+    split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced by parameter count")
+
+    def microbatch_count(self) -> int:  # auto: 2 x stages, so each stage has a second microbatch to work on
+        return 2 * self.stages if self.microbatches == "auto" else int(self.microbatches)
+
+
+@dataclass(frozen=True)
 class DistConfig(Section):
     mode: str = _opt("collective", choices=("collective", "ps"))
     strategy: str = _opt("ddp", choices=("ddp", "fsdp"), doc="ddp: every rank holds the whole model; fsdp: each holds 1/world of the parameters, gradients and optimiser state (FSDP2); docs/distributed.md")
@@ -295,6 +306,7 @@ class DistConfig(Section):
     sync_bn: bool = _opt(False, doc="batch norm over the global batch (torch's SyncBatchNorm; GPUs only)")
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def check(self) -> None:
         if self.grad_sync == "flat" and self.sync_bn:

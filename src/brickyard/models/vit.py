@@ -71,10 +71,40 @@ class ViT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # N x tokens x dim
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed  # x.shape[0]: a batch size export keeps symbolic
-        x = self.norm(self.blocks(x))
-        return self.head(x[:, 0])
+        return _classify(self.norm, self.head, self.blocks(_tokens(self.patch_embed, self.cls_token, self.pos_embed, x)))
+
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """The model as a sequence of (name, module) whose composition is ``forward``: the tokens, each block, the
+        classifier; each piece holds this model's own parameters (the pieces a pipeline's stages are cut from)."""
+        return [("patch_embed", _Tokens(self)), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("norm", _Classify(self))]
+
+
+def _tokens(patch_embed, cls_token, pos_embed, x: torch.Tensor) -> torch.Tensor:
+    x = patch_embed(x).flatten(2).transpose(1, 2)  # N x tokens x dim
+    return torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed  # x.shape[0]: a batch size export keeps symbolic
+
+
+def _classify(norm, head, x: torch.Tensor) -> torch.Tensor:
+    return head(norm(x)[:, 0])
+
+
+class _Tokens(nn.Module):
+    def __init__(self, vit: ViT):
+        super().__init__()
+        self.patch_embed, self.cls_token, self.pos_embed = vit.patch_embed, vit.cls_token, vit.pos_embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _tokens(self.patch_embed, self.cls_token, self.pos_embed, x)
+
+
+class _Classify(nn.Module):
+    def __init__(self, vit: ViT):
+        super().__init__()
+        self.norm, self.head = vit.norm, vit.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _classify(self.norm, self.head, x)
 
 
 @register("vit_tiny", "vision transformer, dim 192, 12 blocks, 3 heads (timm's vit_tiny); model.patch_size, auto by image size")

@@ -92,7 +92,7 @@ class SplitEvaluator:
         c = run.config
         with run.eval_weights():
             return evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
-                            run.data.num_classes, self.readers, run.rank, self.group, keep_errors,
+                            run.data.num_classes, self.readers, min(run.rank, self.readers - 1), self.group, keep_errors,
                             c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
                             shift=c.data.shift, limit=c.data.eval_limit)
 

@@ -91,7 +91,7 @@ def choose(trainer, own_step: bool, log) -> tuple:
     """(the trainer's step, a line for the start of the run or ''): a ``GraphedStep`` where ``decide`` captures
     it, else ``optimizer_step``; the line says which where it matters (a GPU, or ``train.cuda_graphs: true``)."""
     cfg, run = trainer.config, trainer.run
-    setting = cfg.train.cuda_graphs
+    setting, own = cfg.train.cuda_graphs, trainer.way.step_function()
     d = decide(setting, device=run.device, precision=run.precision, way_refusal=trainer.way.capture_refusal(),
                grad_accum=cfg.train.grad_accum, own_step=own_step, compiled=trainer.job.compiled,
                schedule=cfg.schedule.name, optimizer=run.optimizer, callbacks=trainer.callbacks.callbacks,
@@ -100,8 +100,8 @@ def choose(trainer, own_step: bool, log) -> tuple:
         return GraphedStep(log), (f"cuda graphs: the training step is captured after {WARMUP} eager steps and "
                                   f"replayed (train.cuda_graphs: {str(setting).lower()})")
     if setting is True or (setting == "auto" and run.device.type == "cuda"):
-        return optimizer_step, f"train.cuda_graphs: the training step runs eagerly: {d.reason}"
-    return optimizer_step, ""
+        return own or optimizer_step, f"train.cuda_graphs: the training step runs eagerly: {d.reason}"
+    return own or optimizer_step, ""
 
 
 class GraphedStep:

@@ -39,7 +39,6 @@ from brickyard.callbacks.watching import Histograms, Watching
 from brickyard.config import Config
 from brickyard.data import DataBundle, augment
 from brickyard.data.loaders import make_train_loader
-from brickyard.distributed import fsdp
 from brickyard.distributed import process as dist
 from brickyard.errors import BrickyardError, CheckpointError, DataError, reason
 from brickyard.models.finetune import find_head
@@ -110,7 +109,7 @@ class Trainer:
                        host.device, host.precision, job.run_dir, log, self.plan.steps_per_epoch, self.plan.total_steps,
                        meter=self.meter, _control=self.control)
         self.update = way.update(self.run, self.param_groups, self.losses.train, self.scaler, job.group, job.messages)
-        self.loader = make_train_loader(data.train, cfg.data, host.device, way.readers, info.rank, cfg.train.seed,
+        self.loader = make_train_loader(data.train, cfg.data, host.device, way.readers, min(info.rank, way.readers - 1), cfg.train.seed,
                                         cfg.train.grad_accum)
         self.prep = augment.build(cfg, data, host.device, self.channels_last, cfg.train.seed, way.readers, job.group,
                                   augment.float_dtype(self.model))
@@ -154,7 +153,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """What a checkpoint holds (under FSDP gathered on every rank: a collective)."""
         run, data = self.run, self.data
-        model_state, optimizer_state = fsdp.full_state(run.model, run.optimizer)
+        model_state, optimizer_state = self.way.full_state(run.model, run.optimizer)
         return {
             "model": model_state, "optimizer": graphs.plain_lr(optimizer_state), "scaler": self.scaler.state_dict(),
             "rng": ckpt.rng_state(run.device), "step": run.step, "epoch": run.step // run.steps_per_epoch,
@@ -172,9 +171,8 @@ class Trainer:
         from ``path``); what does not fit is refused first, in one sentence."""
         run = self.run
         self.checkpoints.restore_check(run, path, state)
-        fsdp.load_model_state(run.model, state["model"])
         try:
-            fsdp.load_optimizer_state(run.optimizer, state["optimizer"])
+            self.way.load_state(run.model, run.optimizer, state)
         except (ValueError, KeyError, IndexError) as err:
             raise CheckpointError(f"checkpoint {path}: optimiser state does not fit ({err}).") from None
         if state.get("scaler"):
@@ -356,8 +354,8 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, boo
     if checkpointed:
         log.info(f"activation checkpointing: {len(checkpointed)} blocks ({', '.join(checkpointed[:4])}"
                  f"{', ...' if len(checkpointed) > 4 else ''}) recompute their activations in the backward pass")
-    job.way.shard(model, host, log)
-    return model, channels_last
+    stage = job.way.shard(model, host, log)
+    return (model if stage is None else stage), channels_last
 
 
 def serve(job: Job, model: nn.Module, data: DataBundle, log) -> None:

@@ -15,9 +15,11 @@ name               selected by                                 what each rank ho
                                                                 hold the parameters and the optimiser
 ``dim_reduce``     ``boost.dim_reduce.enabled``                P-BFGS in a subspace of the weights
                                                                 instead of the optimiser
+``pipeline``       ``dist.pipeline.stages`` above 1            one stage of the model and its optimiser
+                                                                state (torch's ``pipelining``)
 =================  ==========================================  =====================================
 
-A new way (pipeline stages, tensor parallel) is a module here with a ``Way`` subclass, one entry in
+A new way (tensor parallel) is a module here with a ``Way`` subclass, one entry in
 ``WAYS`` and one line in ``name_of``; the trainer (``training.trainer``) calls only the interface.
 """
 from __future__ import annotations
@@ -27,11 +29,12 @@ from brickyard.training.ways.collective import Collective
 from brickyard.training.ways.dim_reduce import DimReduceWay
 from brickyard.training.ways.fsdp import FSDPWay
 from brickyard.training.ways.parameter_server import ParameterServer
+from brickyard.training.ways.pipeline import PipelineWay
 
 __all__ = ["WAYS", "Way", "choose", "name_of"]
 
 WAYS: dict[str, type[Way]] = {"collective": Collective, "fsdp": FSDPWay, "ps": ParameterServer,
-                              "dim_reduce": DimReduceWay}
+                              "dim_reduce": DimReduceWay, "pipeline": PipelineWay}
 
 
 def name_of(cfg) -> str:
@@ -40,6 +43,8 @@ def name_of(cfg) -> str:
         return "ps"
     if cfg.boost.dim_reduce.enabled:
         return "dim_reduce"
+    if cfg.dist.pipeline.stages > 1:
+        return "pipeline"
     return "fsdp" if cfg.dist.strategy == "fsdp" else "collective"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from brickyard.distributed import fsdp
 from brickyard.distributed.gradsync import GradSync
 from brickyard.optim import OptimizerUpdate
 from brickyard.optim.updates import Update
@@ -38,8 +39,10 @@ class Way:
         """A serving rank's whole part in the job (``messages``: the second group of ``groups``)."""
         raise NotImplementedError
 
-    def shard(self, model: nn.Module, host, log) -> None:
-        """After the model is on its device: split it across the ranks where this way does (FSDP)."""
+    def shard(self, model: nn.Module, host, log) -> nn.Module | None:
+        """After the model is on its device: split it across the ranks where this way does (FSDP, in place); the
+        module this rank trains instead of ``model`` where it holds a part of it (a pipeline's stage), else None."""
+        return None
 
     def groups(self):
         """(the readers' process group, a group of this way's own messages): made in the same order on
@@ -54,6 +57,21 @@ class Way:
     def grad_sync(self, model: nn.Module, device, group, own_cores: bool) -> tuple[nn.Module, GradSync]:
         """(the model to call, how the ranks' gradients meet)."""
         return model, GradSync()
+
+    def step_function(self):
+        """This way's own optimiser step, ``step(trainer, batches) -> StepResult`` (``training.step.optimizer_step``'s
+        contract), or None: the trainer's."""
+        return None
+
+    def full_state(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """(the model's state, the optimiser's) as a checkpoint holds them: whole, as one process writes them."""
+        return fsdp.full_state(model, optimizer)
+
+    def load_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        """``full_state``'s tensors back into this rank's model and optimiser (``ValueError``, ``KeyError``,
+        ``IndexError``: an optimiser state that does not fit)."""
+        fsdp.load_model_state(model, state["model"])
+        fsdp.load_optimizer_state(optimizer, state["optimizer"])
 
     def callbacks(self, run, update, writer) -> list:
         """brickyard's behaviours this way adds (after the trainer's own)."""
