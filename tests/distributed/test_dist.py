@@ -323,22 +323,34 @@ def test_a_frozen_rank_is_named_after_the_timeout(tmp_path):
                                           and '"train"' in (run / "metrics.jsonl").read_text()):
         time.sleep(0.1)
     pid = int(re.search(r"pid (\d+)", log1.read_text()).group(1))
+    log0 = run / "logs" / "workerlog.0"
+    pid0 = int(re.search(r"pid (\d+)", log0.read_text()).group(1))
     os.kill(pid, signal.SIGSTOP)
-    said = []
     try:
-        for line in proc.stderr:  # until the sentence: then the stopped rank is killed, as torchrun would do
-            said.append(line)     # only after waiting 30 s for it to act on its SIGTERM (a stopped process cannot)
-            if "did not complete within" in line:
-                break
+        # rank 0 names the frozen rank after the timeout and exits; torchrun's agent then sends the stopped rank a
+        # SIGTERM it cannot act on and kills it 30 s later. The test kills it as soon as rank 0 has exited, and the
+        # launcher says rank 0's sentence as it would after those 30 s.
+        deadline = time.time() + 120
+        while not ("did not complete within" in log0.read_text() and _ended(pid0)):
+            assert time.time() < deadline and proc.poll() is None, log0.read_text()[-2000:]
+            time.sleep(0.1)
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    out, rest = proc.communicate(timeout=150)
-    err = "".join(said) + rest
+    out, err = proc.communicate(timeout=150)
     assert proc.returncode != 0
     assert "did not complete within dist.timeout_s=4s; rank 1 stopped answering" in err, err[-2000:]
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_runs_under_an_external_torchrun(tmp_path):
