@@ -174,6 +174,23 @@ def test_an_online_wandb_server_that_takes_no_connection_is_one_sentence_and_off
     assert offline.returncode == 0, offline.stderr
 
 
+# `brickyard train --resume auto` on one run directory once for each tracker record written before it, in one
+# process (torch and MLflow imported once, not once a record): each command's exit code, what it wrote to stderr
+# and the record after it, as JSON lines on stdout
+RESUMES_WITH_RECORDS = """
+import contextlib, io, json, sys
+from pathlib import Path
+from brickyard.cli.main import main
+run, record = sys.argv[1], Path(sys.argv[1]) / "trackers.json"
+for text in json.loads(sys.argv[2]):
+    record.write_text(text)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--set", "train.max_steps=16", "--run-dir", run, "--resume", "auto"])
+    print(json.dumps({"code": code, "stderr": err.getvalue(), "record": record.read_text()}), flush=True)
+"""
+
+
 @needs_mlflow
 def test_a_damaged_or_foreign_tracker_record_is_one_sentence_and_the_run_is_left_as_it_was(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -184,18 +201,21 @@ def test_a_damaged_or_foreign_tracker_record_is_one_sentence_and_the_run_is_left
     record = run / "trackers.json"
     before = {p.name: p.read_bytes() for p in (run / "metrics.jsonl", run / "summary.json")}
     steps = sorted(p.name for p in (run / "checkpoints").iterdir())
-    for text in ('{"mlflow": ', '["x"]', '{"mlflow": 5}'):  # cut short, not an object, an id that is not a string
-        record.write_text(text)
-        r = run_cli("train", *sets("train.max_steps=16"), "--run-dir", str(run), "--resume", "auto", env=env, cwd=tmp_path)
-        assert r.returncode != 0 and r.stderr.strip() == (
+    # cut short, not an object, an id that is not a string; then a run of another store (MLFLOW_TRACKING_URI changed)
+    texts = ['{"mlflow": ', '["x"]', '{"mlflow": 5}', '{"mlflow": "0123abcd"}']
+    r = subprocess.run([sys.executable, "-c", RESUMES_WITH_RECORDS, str(run), json.dumps(texts)], capture_output=True,
+                       text=True, timeout=600, cwd=tmp_path, env={**os.environ, **env})
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [s["record"] for s in said] == texts, r.stdout[-3000:]  # each record left as it was
+    for s in said[:3]:
+        assert s["code"] != 0 and s["stderr"].strip() == (
             f"error: {record} is not a record of tracker run ids ({{\"mlflow\": \"ID\", ...}}); delete it to start new "
-            f"tracker runs, or put back the ids of the runs to continue."), r.stderr
-        assert record.read_text() == text
-    record.write_text('{"mlflow": "0123abcd"}')  # a run of another store (MLFLOW_TRACKING_URI changed)
-    r = run_cli("train", *sets("train.max_steps=16"), "--run-dir", str(run), "--resume", "auto", env=env, cwd=tmp_path)
-    assert r.returncode != 0 and r.stderr.startswith(
-        f"error: train.loggers: mlflow could not start a run at {uri}: the run 0123abcd that {record} names is not there ("), r.stderr
-    assert "point MLFLOW_TRACKING_URI at the store this run used" in r.stderr
+            f"tracker runs, or put back the ids of the runs to continue."), s["stderr"]
+    foreign = said[3]["stderr"]
+    assert said[3]["code"] != 0 and foreign.startswith(
+        f"error: train.loggers: mlflow could not start a run at {uri}: the run 0123abcd that {record} names is not there ("), foreign
+    assert "point MLFLOW_TRACKING_URI at the store this run used" in foreign
     assert {p.name: p.read_bytes() for p in (run / "metrics.jsonl", run / "summary.json")} == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == steps
 
