@@ -178,6 +178,32 @@ def run_cli(*args, env=None, timeout=600, cwd=None):
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
+_MANY = """
+import contextlib, io, json, sys
+from brickyard.cli.main import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    print(json.dumps({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}), flush=True)
+"""
+
+
+def run_cli_many(*commands, env=None, timeout=600, cwd=None):
+    """Run each of ``commands`` (argument lists of `brickyard`) in turn through ``cli.main.main`` in ONE real
+    process, torch imported once instead of once a command; returns a CompletedProcess-like object per command
+    (returncode, stdout, stderr captured apart). For commands whose process itself is not what a test checks."""
+    import json
+    from types import SimpleNamespace
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    r = subprocess.run([sys.executable, "-c", _MANY, json.dumps([[str(a) for a in c] for c in commands])],
+                       capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    done = [SimpleNamespace(**json.loads(line)) for line in r.stdout.splitlines() if line.startswith('{"returncode"')]
+    assert r.returncode == 0 and len(done) == len(commands), r.stderr[-3000:]
+    return done
+
+
 def sets(*items):
     out = []
     for item in items:
