@@ -13,7 +13,7 @@ from brickyard.errors import BrickyardError, ConfigError
 from brickyard.observe.metrics import EvalAccumulator, fit_hint
 from brickyard.optim import param_groups
 from brickyard.training import checkpoint
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, run_cli, run_cli_many, sets
 
 CNN = SYNTH + ["model.name=mnist_cnn"]
 
@@ -225,23 +225,24 @@ def test_predict_png_with_two_layer_outputs(trained, tmp_path):
     img = tmp_path / "digit.png"
     Image.fromarray((np.random.rand(40, 30) * 255).astype(np.uint8)).save(img)
     ck = str(trained / "checkpoints" / "best.pt")
-    r = run_cli("predict", ck, str(img), "--outputs", "conv1,pool2")
+    np.save(tmp_path / "x.npy", (np.random.rand(3, 28, 28) * 255).astype(np.uint8))
+    out = tmp_path / "o.npz"
+    notimg = tmp_path / "x.png"
+    notimg.write_text("hello")
+    r, npz, bad, unreadable = run_cli_many(  # one process: the four commands' outputs and sentences are checked
+        ["predict", ck, img, "--outputs", "conv1,pool2"],
+        ["predict", ck, img, tmp_path / "x.npy", "--outputs", "fc,conv2", "--format", "npz", "--out", out],
+        ["predict", ck, img, "--outputs", "conv9"],
+        ["predict", ck, notimg])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["outputs"]["conv1"]["shape"] == [1, 20, 28, 28] and doc["outputs"]["pool2"]["shape"] == [1, 20, 7, 7]
     assert abs(sum(doc["probabilities"][0]) - 1) < 1e-4 and 0 <= doc["predicted"][0] < 10
-    np.save(tmp_path / "x.npy", (np.random.rand(3, 28, 28) * 255).astype(np.uint8))
-    out = tmp_path / "o.npz"
-    r = run_cli("predict", ck, str(img), str(tmp_path / "x.npy"), "--outputs", "fc,conv2", "--format", "npz", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    assert npz.returncode == 0, npz.stderr
     d = np.load(out)
     assert d["fc"].shape == (4, 10) and d["conv2"].shape == (4, 20, 14, 14) and d["probabilities"].shape == (4, 10)
-    bad = run_cli("predict", ck, str(img), "--outputs", "conv9")
     assert bad.returncode == 2 and "layer 'conv9' does not exist; valid names: conv1, relu1" in bad.stderr
-    notimg = tmp_path / "x.png"
-    notimg.write_text("hello")
-    bad = run_cli("predict", ck, str(notimg))
-    assert bad.returncode == 2 and "is not a readable image" in bad.stderr
+    assert unreadable.returncode == 2 and "is not a readable image" in unreadable.stderr
 
 
 def test_predict_from_python(trained, monkeypatch):
