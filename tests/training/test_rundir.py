@@ -65,8 +65,8 @@ def test_a_second_process_on_a_live_run_directory_is_refused_naming_the_first(tm
 
 def test_resume_file_into_a_directory_of_another_run_is_refused(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    for run in (a, b):
-        assert run_cli("train", *sets(*SYNTH, "train.epochs=2", "checkpoint.keep_last=3"), "--run-dir", str(run)).returncode == 0
+    for r in run_cli_many(*[["train", *sets(*SYNTH, "train.epochs=2", "checkpoint.keep_last=3"), "--run-dir", run] for run in (a, b)]):
+        assert r.returncode == 0, r.stderr
     before = files_of(a)
     other = checkpoint.step_checkpoints(b / "checkpoints")[0]
     r = run_cli("train", *sets(*SYNTH, "train.epochs=3"), "--run-dir", str(a), "--resume", str(other))
