@@ -37,8 +37,13 @@ def test_bench_loader_comparison():
     assert "[memory]" in r.stdout and "[stream]" in r.stdout and "StreamLoader" in r.stdout
 
 
+# The tests of what bench says and in what order (not of its figures) pin one thread a process: two OpenMP threads
+# spin-wait for each other on a loaded 2-core machine (the test of rounds took 163 s so in a per-folder run)
+ONE_THREAD = [*BENCH, "train.threads=1"]
+
+
 def test_bench_bad_spec_is_one_line():
-    r = run_cli("bench", "mnist", *sets(*BENCH), "--devices", "cpu", "tpu:3", "--steps", "2", "--warmup", "0")
+    r = run_cli("bench", "mnist", *sets(*ONE_THREAD), "--devices", "cpu", "tpu:3", "--steps", "2", "--warmup", "0")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: bench --devices tpu:3 failed: "), r.stderr
     assert lines[0].count("error:") == 1, lines[0]  # the failed run's own "error: " is not repeated inside
@@ -68,7 +73,7 @@ def test_rounds_pair_the_runs_and_take_the_median_ratio():
 
 
 def test_bench_rounds_runs_the_specs_in_turn(tmp_path):
-    r = run_cli("bench", "mnist", *sets(*BENCH), "--steps", "3", "--warmup", "1", "--devices", "cpu", "cpu:2",
+    r = run_cli("bench", "mnist", *sets(*ONE_THREAD), "--steps", "3", "--warmup", "1", "--devices", "cpu", "cpu:2",
                 "--rounds", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     order = [l.split()[2] for l in r.stdout.splitlines() if l.startswith("--- devices")]
