@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, run_cli, run_cli_many, sets
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +44,18 @@ def test_safetensors_rebuilds_a_model_with_options_that_change_its_layers(tmp_pa
     """A ViT trained at patch size 7 (the mnist-vit preset's; auto picks 4 at 28 px): the exported weights
     carry the option, so predict rebuilds the same model and predicts what the checkpoint predicts."""
     run = tmp_path / "run"
-    r = run_cli("train", *sets(*SYNTH, "model.name=vit_tiny", "model.patch_size=7", "train.max_steps=2",
-                                "train.plots=false", "train.tensorboard=false"), "--run-dir", str(run))
-    assert r.returncode == 0, r.stderr
     x = tmp_path / "x.npy"
     np.save(x, (np.random.default_rng(0).random((3, 1, 28, 28)) * 255).astype(np.uint8))
     out = tmp_path / "vit.safetensors"
-    assert run_cli("export", str(run), "--format", "safetensors", "--out", str(out)).returncode == 0
-    want = json.loads(run_cli("predict", str(run), str(x)).stdout)
-    got = run_cli("predict", str(out), str(x))
+    # one process (torch imported once); 32 validation and test images: the ViT's evaluation is most of its run
+    trained, exported, predicted, got = run_cli_many(
+        ["train", *sets(*SYNTH, "model.name=vit_tiny", "model.patch_size=7", "train.max_steps=2", "train.plots=false",
+                        "train.tensorboard=false", "data.synthetic.num_val=32", "data.synthetic.num_test=32"), "--run-dir", run],
+        ["export", run, "--format", "safetensors", "--out", out],
+        ["predict", run, x],
+        ["predict", out, x])
+    assert trained.returncode == 0 and exported.returncode == 0 and predicted.returncode == 0, trained.stderr + exported.stderr
+    want = json.loads(predicted.stdout)
     assert got.returncode == 0, got.stderr
     assert np.allclose(json.loads(got.stdout)["probabilities"], want["probabilities"], atol=1e-5)
     # a file whose options were lost (as written before they were recorded) names the layer that differs
