@@ -29,9 +29,10 @@ ONNX = pytest.mark.skipif(not _have("onnx", "onnxscript", "onnxruntime"),
 def test_every_format_predicts_what_the_checkpoint_predicts(trained, tmp_path, fmt, name):
     x = tmp_path / "x.npy"
     np.save(x, (np.random.default_rng(0).random((4, 1, 28, 28)) * 255).astype(np.uint8))
-    r = run_cli("export", str(trained), "--format", fmt, "--out", str(tmp_path / name))
+    # the export and the checkpoint's predictions in one process; the exported file's in a fresh one, as a user's
+    r, checkpoint = run_cli_many(["export", trained, "--format", fmt, "--out", tmp_path / name], ["predict", trained, x])
     assert r.returncode == 0 and f"wrote {tmp_path / name}" in r.stdout, r.stderr
-    want = json.loads(run_cli("predict", str(trained), str(x)).stdout)
+    want = json.loads(checkpoint.stdout)
     trust = [] if fmt in ("safetensors", "onnx") else ["--trust-code"]  # a program can carry code: refused without it
     got = run_cli("predict", str(tmp_path / name), str(x), *trust)
     assert got.returncode == 0, got.stderr
@@ -71,16 +72,15 @@ def test_safetensors_rebuilds_a_model_with_options_that_change_its_layers(tmp_pa
 
 
 def test_export_mistakes_are_one_sentence(trained, tmp_path):
-    r = run_cli("export", str(trained), "--format", "torch-export", "--out", str(tmp_path / "m.pt"))
-    assert r.returncode == 2 and r.stderr.strip() == f"error: --out {tmp_path / 'm.pt'}: a torch-export file's name ends in .pt2 (that is how predict knows it)."
     bad = tmp_path / "junk.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    r = run_cli("predict", str(bad), str(tmp_path / "x.npy"))
-    assert r.returncode == 2 and r.stderr.startswith(f"error: {bad} cannot be read as an exported brickyard model")
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = run_cli("export", str(empty))
-    assert r.returncode == 2 and "no checkpoint" in r.stderr
+    r, junk, nothing = run_cli_many(["export", trained, "--format", "torch-export", "--out", tmp_path / "m.pt"],
+                                    ["predict", bad, tmp_path / "x.npy"], ["export", empty])  # one process: three refusals
+    assert r.returncode == 2 and r.stderr.strip() == f"error: --out {tmp_path / 'm.pt'}: a torch-export file's name ends in .pt2 (that is how predict knows it)."
+    assert junk.returncode == 2 and junk.stderr.startswith(f"error: {bad} cannot be read as an exported brickyard model")
+    assert nothing.returncode == 2 and "no checkpoint" in nothing.stderr
 
 
 @ONNX
