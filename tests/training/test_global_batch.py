@@ -11,7 +11,7 @@ from brickyard import api
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint
-from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
+from conftest import ACROSS_ORDERS, SYNTH, run_cli, run_cli_many, sets
 
 SAME = [s for s in SYNTH if not s.startswith("data.batch_size")] + [
     "data.global_batch_size=50", "train.deterministic=true", "train.max_steps=20", "train.epochs=10",
@@ -113,11 +113,11 @@ def test_eval_limit_reads_the_same_first_images_on_any_world_size_and_says_so(on
     assert "data.eval_limit: validation and test read the first 50 images of each split only" in log
     assert "(the first 50 of 128 images)" in log
     assert _diff(_final(one), _final(tmp_path / "one")) == 0  # evaluation never changes what is trained
-    full = json.loads(run_cli("eval", str(tmp_path / "one")).stdout)
-    assert full["count"] == 128
-    part = json.loads(run_cli("eval", str(tmp_path / "one"), "--limit", "50").stdout)
+    full, part, r = run_cli_many(["eval", tmp_path / "one"], ["eval", tmp_path / "one", "--limit", "50"],
+                                 ["eval", tmp_path / "one", "--limit", "-3"])  # one process, torch imported once
+    assert json.loads(full.stdout)["count"] == 128
+    part = json.loads(part.stdout)
     assert part["count"] == 50 and abs(part["loss"] - s1["test_loss"]) < 1e-5  # the run's own test pass, read again
-    r = run_cli("eval", str(tmp_path / "one"), "--limit", "-3")
     assert r.returncode == 2 and r.stderr == "error: --limit -3: give a number of images (0: the whole split).\n", r.stderr
     whole = json.loads((one / "summary.json").read_text())
     assert whole["test_images"] == 128 and "eval_limit" not in whole
