@@ -184,7 +184,10 @@ from brickyard.cli.main import main
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
     print(json.dumps({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}), flush=True)
 """
 

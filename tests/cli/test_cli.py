@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from conftest import SYNTH, needs_mnist, run_cli, sets
+from conftest import SYNTH, needs_mnist, run_cli, run_cli_many, sets
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -126,21 +126,26 @@ def test_eval_scores_a_checkpoint_with_the_test_time_augmentation_asked_for(tmp_
     changes only the evaluation, so the weights are the same); the default is the run's own."""
     common = (*SYNTH, "train.epochs=2", "train.seed=4", "data.shift=1")
     plain, with_tta = tmp_path / "plain", tmp_path / "tta"
-    for run, extra in ((plain, ()), (with_tta, ("data.tta=flip-shift",))):
-        r = run_cli("train", *sets(*common, *extra), "--run-dir", str(run))
+    step = "checkpoints/step-0000032.pt"
+    # one process (torch imported once): the two runs, then the four evaluations
+    *runs, asked, own, off, bad = run_cli_many(*[["train", *sets(*common, *extra), "--run-dir", run]
+                                                 for run, extra in ((plain, ()), (with_tta, ("data.tta=flip-shift",)))],
+                                               ["eval", plain / step, "--tta", "flip-shift"],
+                                               ["eval", with_tta / step],  # the run's own data.tta
+                                               ["eval", with_tta / step, "--tta", "none"],
+                                               ["eval", plain / step, "--tta", "rotate"])
+    for r in runs:
         assert r.returncode == 0, r.stderr
     trained = json.loads((with_tta / "summary.json").read_text())
-    step = "checkpoints/step-0000032.pt"
-    asked = json.loads(run_cli("eval", str(plain / step), "--tta", "flip-shift").stdout)
+    asked = json.loads(asked.stdout)
     assert asked["tta"] == "flip-shift" and asked["count"] == 128
     assert asked["accuracy"] == pytest.approx(trained["test_accuracy"])
     assert asked["loss"] == pytest.approx(trained["test_loss"], rel=1e-4)
-    own = json.loads(run_cli("eval", str(with_tta / step)).stdout)  # the run's own data.tta
+    own = json.loads(own.stdout)
     assert own["tta"] == "flip-shift" and own["loss"] == pytest.approx(asked["loss"], rel=1e-4)
-    off = json.loads(run_cli("eval", str(with_tta / step), "--tta", "none").stdout)
+    off = json.loads(off.stdout)
     assert off["tta"] == "none" and off["loss"] == pytest.approx(json.loads((plain / "summary.json").read_text())["test_loss"], rel=1e-4)
     assert abs(off["loss"] - asked["loss"]) > 1e-3  # the views changed the score
-    bad = run_cli("eval", str(plain / step), "--tta", "rotate")
     assert bad.returncode == 2 and "invalid choice: 'rotate'" in bad.stderr
 
 
