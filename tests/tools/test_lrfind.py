@@ -7,7 +7,7 @@ import pytest
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
 from brickyard.tools.lrfind import suggest
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, run_cli, run_cli_many, sets
 
 FIND = [s for s in SYNTH if not s.startswith("data.batch_size")] + ["data.global_batch_size=64", "train.deterministic=true"]
 
@@ -61,14 +61,14 @@ def test_lr_find_reads_the_batches_train_draws_with_data_balance(tmp_path):
     """With ``data.balance`` the range test's first loss is that of the first batch `brickyard train` draws (the
     same model and seed), not of the permutation's first batch."""
     found, losses = {}, {}
-    for on in ("true", "false"):
-        r = run_cli("lr-find", "mnist", *sets(*FIND, f"data.balance={on}"), "--steps", "13", "--out", str(tmp_path / on))
+    commands = [["lr-find", "mnist", *sets(*FIND, f"data.balance={on}"), "--steps", "13", "--out", tmp_path / on]
+                for on in ("true", "false")]
+    commands += [["train", "mnist", *sets(*FIND, f"data.balance={on}", "train.max_steps=1", "train.log_every=1",
+                                         "train.plots=false"), "--run-dir", tmp_path / f"run-{on}"] for on in ("true", "false")]
+    for r in run_cli_many(*commands):  # one process, torch imported once: each command seeds its own draws
         assert r.returncode == 0, r.stderr
+    for on in ("true", "false"):
         found[on] = json.loads((tmp_path / on / "lr_find.json").read_text())["losses"][0]
-    for on in ("true", "false"):
-        r = run_cli("train", "mnist", *sets(*FIND, f"data.balance={on}", "train.max_steps=1", "train.log_every=1",
-                                          "train.plots=false"), "--run-dir", str(tmp_path / f"run-{on}"))
-        assert r.returncode == 0, r.stderr
         rows = [json.loads(line) for line in (tmp_path / f"run-{on}" / "metrics.jsonl").read_text().splitlines()]
         losses[on] = next(row["loss"] for row in rows if row["kind"] == "train" and row["step"] == 1)
     assert found == losses and found["true"] != found["false"]
