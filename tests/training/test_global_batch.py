@@ -66,16 +66,16 @@ def test_a_per_device_batch_is_what_the_user_asked_for_and_says_so(tmp_path):
 
 def test_bad_global_batches_are_one_line_and_write_nothing(tmp_path):
     run = tmp_path / "r"
-    r = run_cli("train", "mnist", *sets(*SAME, "data.global_batch_size=3"), "--devices", "cpu:4", "--run-dir", str(run))
+    r, few = run_cli_many(  # one process: both refusals come before any worker starts
+        ["train", "mnist", *sets(*SAME, "data.global_batch_size=3"), "--devices", "cpu:4", "--run-dir", run],
+        ["train", "mnist", *sets(*SAME, "data.synthetic.num_train=3", "data.global_batch_size=4"), "--devices", "cpu:4",
+         "--run-dir", run])
     assert r.returncode == 2 and r.stderr.strip() == ("error: data.global_batch_size: 3 over 1 accumulation step(s) is "
                                                       "smaller than the 4 processes that read data; each needs at least one image.")
-    assert not run.exists()
     with pytest.raises(ConfigError, match="data.global_batch_size: 50 is not divisible by train.grad_accum \\(3\\)"):
         load_config("mnist", SAME + ["train.grad_accum=3"])
-    r = run_cli("train", "mnist", *sets(*SAME, "data.synthetic.num_train=3", "data.global_batch_size=4"), "--devices",
-                "cpu:4", "--run-dir", str(run))
-    assert r.returncode == 2 and r.stderr.strip() == ("error: the training split has 3 samples, fewer than the 4 processes "
-                                                      "that read data; use fewer processes or more data.")
+    assert few.returncode == 2 and few.stderr.strip() == ("error: the training split has 3 samples, fewer than the 4 processes "
+                                                          "that read data; use fewer processes or more data.")
     assert not run.exists()
 
 
@@ -84,8 +84,9 @@ def test_max_steps_and_stop_epoch_end_a_run_without_reshaping_its_schedule(tmp_p
     import json
     base = [*SYNTH, "train.epochs=4", "schedule.name=cosine", "train.log_every=4"]
     rates = {}
-    for name, extra in (("whole", []), ("steps", ["train.max_steps=16"]), ("epoch", ["train.stop_epoch=1"])):
-        r = run_cli("train", *sets(*base, *extra), "--run-dir", str(tmp_path / name))
+    runs = (("whole", []), ("steps", ["train.max_steps=16"]), ("epoch", ["train.stop_epoch=1"]))
+    done = run_cli_many(*[["train", *sets(*base, *extra), "--run-dir", tmp_path / name] for name, extra in runs])  # one process
+    for (name, _), r in zip(runs, done):
         assert r.returncode == 0, r.stderr
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         rates[name] = {x["step"]: x["lr"] for x in rows if x["kind"] == "train"}

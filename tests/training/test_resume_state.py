@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from conftest import run_cli, sets
+from conftest import run_cli, run_cli_many, sets
 
 S = sets("data.name=synthetic", "data.synthetic.num_train=512", "data.synthetic.num_val=128",
          "data.synthetic.num_test=128", "train.threads=1", "data.global_batch_size=64", "train.precision=fp32",
@@ -17,11 +17,12 @@ def rows(run_dir, kind):
 
 def test_a_changed_checkpoint_monitor_compares_the_best_under_the_new_metric(tmp_path):
     run = tmp_path / "run"
-    first = run_cli("train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_accuracy", "train.max_steps=16"),
-                    "--device", "cpu", "--run-dir", str(run))
+    first, again = run_cli_many(  # one process, torch imported once: the run, then its resume
+        ["train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_accuracy", "train.max_steps=16"),
+         "--device", "cpu", "--run-dir", run],
+        ["train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_loss", "train.max_steps=0"),
+         "--device", "cpu", "--run-dir", run, "--resume", "auto"])
     assert first.returncode == 0, first.stderr
-    again = run_cli("train", "mnist", *S, *sets("train.epochs=5", "checkpoint.monitor=val_loss", "train.max_steps=0"),
-                    "--device", "cpu", "--run-dir", str(run), "--resume", "auto")
     assert again.returncode == 0, again.stderr
     assert "checkpoint.monitor changed from val_accuracy to val_loss" in (run / "train.log").read_text()
     val = rows(run, "val")
@@ -39,11 +40,10 @@ def test_early_stopping_restores_its_best_weights_after_a_resume(tmp_path):
     best = int(next(line for line in (whole / "train.log").read_text().splitlines() if "early stopping" in line)
                .split(" at step ")[1].split(";")[0])
     assert best < stopped - 8, "the data must make early stopping wait past the best validation"
-    r = run_cli("train", "mnist", *S, *es, *sets(f"train.max_steps={best + 8}"), "--device", "cpu", "--run-dir", str(parts))
-    assert r.returncode == 0, r.stderr
-    r = run_cli("train", "mnist", *S, *es, *sets("train.max_steps=0"), "--device", "cpu", "--run-dir", str(parts),
-                "--resume", "auto")
-    assert r.returncode == 0, r.stderr
+    for r in run_cli_many(  # one process: the stopped run, then its resume
+            ["train", "mnist", *S, *es, *sets(f"train.max_steps={best + 8}"), "--device", "cpu", "--run-dir", parts],
+            ["train", "mnist", *S, *es, *sets("train.max_steps=0"), "--device", "cpu", "--run-dir", parts, "--resume", "auto"]):
+        assert r.returncode == 0, r.stderr
     assert "its weights restored" in (parts / "train.log").read_text()
     assert rows(parts, "test")[-1]["loss"] == rows(whole, "test")[-1]["loss"]
 
