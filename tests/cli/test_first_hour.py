@@ -11,7 +11,7 @@ from torch import nn
 from brickyard import api
 from brickyard.data import loaders
 from brickyard.errors import BrickyardError
-from conftest import SYNTH, run_cli, sets
+from conftest import SYNTH, run_cli, run_cli_many, sets
 
 CPU = {"device": "cpu", "precision": "fp32", "threads": 1, "progress": "none", "plots": False, "tensorboard": False}
 
@@ -65,12 +65,12 @@ def test_resume_continues_the_run_in_the_directory_and_refuses_changes_to_it(tmp
     assert first.returncode == 0, first.stderr
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
     metrics = (run / "metrics.jsonl").read_bytes()
-    for extra, key in ((["--set", "data.name=mnist"], "data.name"), (["mnist"], "data.name"),
-                       (["--set", "optim.lr=5e-5"], "optim.lr")):
-        r = run_cli("train", *extra, "--run-dir", str(run), "--resume", "auto")
+    changes = ((["--set", "data.name=mnist"], "data.name"), (["mnist"], "data.name"), (["--set", "optim.lr=5e-5"], "optim.lr"))
+    refused = run_cli_many(*[["train", *extra, "--run-dir", run, "--resume", "auto"] for extra, _ in changes])  # one process
+    for (_, key), r in zip(changes, refused):
         assert r.returncode == 2 and r.stderr.startswith(f"error: --resume: {key} is ") and r.stderr.count("\n") == 1, r.stderr
-        assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
-        assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert (run / "metrics.jsonl").read_bytes() == metrics
     again = run_cli("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.epochs=2")  # as printed, plus epochs
     assert again.returncode == 0, again.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -146,16 +146,17 @@ def test_input_bound_advice_fits_the_loader(tmp_path, monkeypatch):
 
 def test_a_run_that_stops_learning_says_so_and_can_end_there(tmp_path):
     frozen = [*SYNTH, "optim.lr=0", "train.epochs=4", "train.log_every=4", "checkpoint.every_steps=8"]  # lr 0: at chance
-    r = run_cli("train", *sets(*frozen), "--run-dir", str(tmp_path / "warn"))
+    r, stop, healthy = run_cli_many(  # one process, torch imported once
+        ["train", *sets(*frozen), "--run-dir", tmp_path / "warn"],
+        ["train", *sets(*frozen, "train.stop_if_not_learning=true"), "--run-dir", tmp_path / "stop"],
+        ["train", *sets(*SYNTH, "train.epochs=4", "train.log_every=4"), "--run-dir", tmp_path / "ok"])
     assert r.returncode == 0, r.stderr
     warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: not learning")]
     assert len(warnings) == 1 and "ln 10 = 2.303" in warnings[0] and "learning rate too high" in warnings[0]
     assert json.loads((tmp_path / "warn" / "summary.json").read_text())["not_learning"].startswith("not learning")
-    r = run_cli("train", *sets(*frozen, "train.stop_if_not_learning=true"), "--run-dir", str(tmp_path / "stop"))
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: not learning") and "stopped" in lines[0]
+    lines = stop.stderr.strip().splitlines()
+    assert stop.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: not learning") and "stopped" in lines[0]
     assert list((tmp_path / "stop" / "checkpoints").glob("step-*.pt"))  # what it had is kept
-    healthy = run_cli("train", *sets(*SYNTH, "train.epochs=4", "train.log_every=4"), "--run-dir", str(tmp_path / "ok"))
     assert healthy.returncode == 0 and "not learning" not in healthy.stderr
 
 
