@@ -89,20 +89,20 @@ def test_a_damaged_test_errors_file_is_one_error_line_and_nothing_else_changes(t
 
 
 def test_plot_overlays_several_runs(trained, tmp_path):
-    r = run_cli("plot", str(trained), str(trained), "--out", str(tmp_path))
+    r, bad = run_cli_many(["plot", trained, trained, "--out", tmp_path], ["plot", tmp_path / "nothing"])  # one process
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "compare-curves.png").stat().st_size > 1000
-    bad = run_cli("plot", str(tmp_path / "nothing"))
     assert bad.returncode == 2 and "is not a run directory" in bad.stderr
 
 
 def test_inspect_prints_a_row_per_layer(trained):
-    r = run_cli("inspect", "mnist", "--batch", "8", *sets("data.name=synthetic"))
+    r, saved = run_cli_many(["inspect", "mnist", "--batch", "8", *sets("data.name=synthetic")],
+                            ["inspect", trained / "checkpoints" / "best.pt", "--json"])  # one process, torch imported once
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 + 10 and lines[2].split()[:3] == ["conv1", "Conv2d", "8x16x14x14"]  # mnist_fast, stride-2 stem
     assert [line.split()[0] for line in lines[2:]] == ["conv1", "relu1", "conv2", "pool2", "relu2", "conv3", "pool3", "relu3", "flatten", "fc"]
-    j = json.loads(run_cli("inspect", str(trained / "checkpoints" / "best.pt"), "--json").stdout)
+    j = json.loads(saved.stdout)
     assert [r["name"] for r in j] == ["conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc"]
     assert j[0]["grad_norm"] > 0 and j[0]["params"] == 520 and j[-1]["output_shape"] == [32, 10]
 
