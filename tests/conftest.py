@@ -68,9 +68,10 @@ SLOW_FIRST = (
     "tests/distributed/test_dist.py::test_sigterm_to_one_worker",
     "tests/training/test_device.py::test_tuned_allocator",
     "tests/training/test_global_batch.py::test_a_balanced_epoch",
+    "tests/observe/test_trackers.py::test_mlflow_with_a_local_store",
+    "tests/tools/test_export.py::test_registry_models_export_to_onnx_and_run_in_onnxruntime[vit_tiny",
+    "tests/data/test_data.py::test_the_real_fashion_mnist_from_debian",
     "tests/training/test_rundir.py::test_a_second_process_on_a_live_run_directory",
-    "tests/training/test_resume_state.py::test_a_checkpoint_whose_callback_states_hold_tensors",
-    "tests/observe/test_trackers.py::test_mlflow_against_a_real_tracking_server",
 )
 
 
