@@ -180,15 +180,17 @@ def run_cli(*args, env=None, timeout=600, cwd=None):
 
 
 _MANY = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
 from brickyard.cli.main import main
 for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
+    out, err, env = io.StringIO(), io.StringIO(), dict(os.environ)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's refusals
             code = e.code
+    os.environ.clear()  # what a launcher set for its workers is not the next command's environment
+    os.environ.update(env)
     print(json.dumps({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}), flush=True)
 """
 
