@@ -1,5 +1,6 @@
 """Metrics, TensorBoard, plots, inspection, watching, the NaN guard, parameter groups, predict."""
 import json
+import logging
 import os
 
 import numpy as np
@@ -319,3 +320,21 @@ def test_predict_in_a_callback_leaves_the_model_training():
     model.eval()
     brickyard.predict(model, torch.randn(4, 1, 4, 4))
     assert not model.training
+
+
+@pytest.mark.fast
+def test_a_test_split_without_a_mistake_draws_the_other_plots_and_keeps_no_errors_file(tmp_path, caplog):
+    """100% test accuracy: no test_errors.pt, no mosaic, and the curves and the confusion matrix are drawn (an empty
+    errors file was written, and the plots refused it, dropping the other plots too)."""
+    x = torch.zeros(64, 1, 8, 8)
+    x[32:] = 1.0
+    y = (torch.arange(64) >= 32).long()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    cfg = {"train": {"epochs": 20, "precision": "fp32", "threads": 1, "progress": "none", "device": "cpu"},
+           "data": {"batch_size": 16}, "optim": {"name": "sgd", "lr": 0.5}}
+    with caplog.at_level(logging.WARNING, logger="brickyard"):
+        s = api.fit(net, (x, y), val_data=(x, y), test_data=(x, y), config=cfg, run_dir=tmp_path / "run")
+    assert s["test_accuracy"] == 1.0
+    assert not (tmp_path / "run" / "test_errors.pt").exists() and "no plots" not in caplog.text
+    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "confusion.png").is_file()

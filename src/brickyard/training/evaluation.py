@@ -53,7 +53,7 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
                 forward(spare)
     model.train(was_training)
     result = acc.result(group)
-    if keep_errors and errors:
+    if keep_errors and kept:  # a split scored without a mistake has none to keep (and no empty file to plot)
         result["errors"] = tuple(torch.cat(parts) for parts in zip(*errors))
     return result
 
@@ -129,6 +129,8 @@ def finish(run, metrics, wall_start: float, evaluate_split: SplitEvaluator, fact
             errors = {"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),
                       "mean": list(data.mean), "std": list(data.std)}
             write_torch(errors, run.run_dir / "test_errors.pt")
+        elif run.is_main:  # no mistakes now: an earlier evaluation's errors (before a resume) are not this run's
+            (run.run_dir / "test_errors.pt").unlink(missing_ok=True)
     summary.update(
         train_seconds=round(run.meter.train_seconds, 3), wall_seconds=round(time.perf_counter() - wall_start, 3),
         images_per_second=round(run.meter.images / max(run.meter.train_seconds, 1e-9), 1), device=str(run.device),
