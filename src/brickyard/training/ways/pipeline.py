@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from brickyard.distributed import pipeline as pp
 from brickyard.distributed.gradsync import GradSync
@@ -88,6 +87,8 @@ class PipelineWay(Way):
             m = self.p.microbatch_count() if train else 1
             while n % m:
                 m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
+            # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
             stage = PipelineStage(self.stage, self.info.rank, self.p.stages, self.device)
             kind = Schedule1F1B if self.p.schedule == "1f1b" and m >= self.p.stages else ScheduleGPipe
             self.schedules[key] = kind(stage, m, loss_fn=self._loss if train else None, scale_grads=False)
