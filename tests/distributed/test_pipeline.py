@@ -104,3 +104,16 @@ def test_stages_cut_a_vit_at_its_blocks_and_compose_to_its_forward():
         h = pp.stage_module(model, starts, i)(h)
     assert torch.equal(h, model(x))
     assert pp.cuts(model, 2, ("blocks.4",)) == [0, 5]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("resume, items, sentence", [
+    ("auto", (), "resuming a pipeline run is not built yet; start it afresh"),
+    (None, ("train.max_time_s=60",), "train.max_time_s stops each pipeline stage by its own clock"),
+])
+def test_what_pipelines_cannot_do_yet_is_one_sentence_before_anything_runs(resume, items, sentence):
+    """A resume (the stage's checkpoint check would blame the checkpoint), and a stop by each rank's own clock
+    (the stages do not agree on a stop yet: one would leave while the others wait in the pipeline)."""
+    cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.pipeline.split=[2]", *items])
+    with pytest.raises(ConfigError, match=re.escape(sentence)):
+        ways.choose(cfg, DistInfo(world_size=2)).check(_seq(3), resume)

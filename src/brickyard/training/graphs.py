@@ -131,6 +131,9 @@ class GraphedStep:
         return self.graph is not None
 
     def __call__(self, trainer, batches) -> StepResult:
+        if self.refused:  # a capture failed: the eager step from now on (which expects no gradients left)
+            trainer.run.optimizer.zero_grad(set_to_none=True)
+            return optimizer_step(trainer, batches)
         run = trainer.run
         if not self.params:
             self._start(run)
@@ -176,6 +179,8 @@ class GraphedStep:
         try:
             loss_sum = graph.capture(lambda: _body(trainer, sx, sy, weight))
         except Exception as err:  # noqa: BLE001  whatever forbids the capture: the run goes on eagerly
+            while err.__context__ is not None and isinstance(err.__context__, Exception):
+                err = err.__context__  # the first error, not the capture's end that it broke
             self.refused = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             trainer.run.optimizer.zero_grad(set_to_none=True)
             self.log.warning(f"train.cuda_graphs: capturing the step failed ({self.refused}); the run's steps stay eager")
@@ -212,7 +217,9 @@ class Graph:
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn):
-        with torch.cuda.graph(self.graph):
+        # the outer stream context puts the current stream back even where a failed capture leaves torch's
+        # ``graph`` context on its capture stream (its ``__exit__`` raises in ``capture_end`` before leaving it)
+        with torch.cuda.stream(torch.cuda.current_stream()), torch.cuda.graph(self.graph):
             return fn()
 
     def replay(self) -> None:

@@ -201,7 +201,7 @@ class RunView:
 
 def _check_writable(name: str) -> None:
     """Nothing for ``WRITABLE`` and for names that are none of ``Run``'s; else the sentence."""
-    if name in WRITABLE or not (name.startswith("_") or hasattr(Run, name) or name in Run.__dataclass_fields__):
+    if name in WRITABLE or not (hasattr(Run, name) or name in Run.__dataclass_fields__):
         return
     instead = _INSTEAD.get(name, f"keep a value of your own on the callback (self.{name.lstrip('_')})")
     raise AttributeError(f"run.{name} is read-only in a callback (the trainer sets it); {instead}")

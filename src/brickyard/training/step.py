@@ -274,12 +274,13 @@ def _name(fn) -> str:
 class NanGuard:
     """Stops on a non-finite loss, naming the first layer that made it (``observe.inspection``)."""
 
-    def __init__(self, on: bool, sharded: bool, loss_sum):
+    def __init__(self, on: bool, sharded: str | None, loss_sum):  # sharded: the way's name where the model is split
         self.on, self.sharded, self.loss_sum = on, sharded, loss_sum
 
     def raise_for(self, run, x, y):
         # the search runs the model on this rank alone: under FSDP a forward pass needs every rank
-        where = "not searched under dist.strategy: fsdp" if self.sharded else first_nonfinite(run.model, x, y, self.loss_sum)
+        where = (f"not searched: the model is split across the processes ({self.sharded})" if self.sharded
+                 else first_nonfinite(run.model, x, y, self.loss_sum))
         kept = (f"the newest checkpoint ({run.last_checkpoint}) holds the last good weights" if run.last_checkpoint
                 else "no checkpoint was written yet")
         raise BrickyardError(f"training loss became non-finite at step {run.step}; first non-finite: {where}; "

@@ -101,7 +101,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=host.precision == "fp16")
         self.step_fn = user.train_step or default_step
         self.check_each_step = cfg.train.nan_guard and host.device.type == "cpu"  # CPUs: reading the loss is no sync
-        self.guard = NanGuard(cfg.train.nan_guard, way.sharded, self.losses.train)
+        self.guard = NanGuard(cfg.train.nan_guard, way.name if way.sharded else None, self.losses.train)
         self.meter = Meter(Totals(host.device, job.group))
         self.report = Report(self.meter, None if data.in_memory else "try more data.num_workers")
         self.control = Control(self.losses.train, lambda: self.update.describe(), way.stops_early)

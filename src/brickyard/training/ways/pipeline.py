@@ -10,8 +10,10 @@ The logits are broadcast from the last stage, so every rank counts loss and accu
 them) as one process does, each rank in a process group of its own (``groups``). Gradient clipping takes the
 global norm over the stages (one all-reduce). Evaluation runs the forward passes through the same stages, one
 microbatch a batch. A checkpoint holds the whole model under its own names (gathered on every rank) and each
-stage's optimiser state; ``load_state`` reads it back on the same number of stages, but the checkpoint's
-check before it compares the whole model with the stage, so resuming is refused for now. Batch norm sees microbatch statistics.
+stage's optimiser state; ``load_state`` would read it back on the same number of stages, but resuming is
+refused in ``check`` for now (the checkpoint's check compares the whole model with the stage), as is
+``train.max_time_s`` (each rank's own clock, and the stages do not agree on a stop yet: the stop vote runs in each
+rank's own group). Batch norm sees microbatch statistics.
 
 Not built yet: replicas of a pipeline (data parallel across pipelines), tensor parallel, resharding a
 checkpoint onto another number of stages, resuming, a ``train_step`` of the user's.
@@ -56,6 +58,12 @@ class PipelineWay(Way):
         if self.info.world_size != self.p.stages:
             raise ConfigError(f"dist.pipeline.stages: {self.p.stages} runs one process a stage and this job has "
                               f"{self.info.world_size}; replicas of a pipeline are not built yet.")
+        if resume:
+            raise ConfigError("dist.pipeline.stages: resuming a pipeline run is not built yet; start it afresh in a "
+                              "new run directory.")
+        if self.cfg.train.max_time_s:
+            raise ConfigError("train.max_time_s stops each pipeline stage by its own clock, and the stages do not "
+                              "agree on a stop yet; leave it 0 with dist.pipeline.stages.")
 
     def groups(self):
         """Each rank in a group of its own: every rank counts the same logits, so nothing is summed across them."""
