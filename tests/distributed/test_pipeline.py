@@ -110,6 +110,7 @@ def test_stages_cut_a_vit_at_its_blocks_and_compose_to_its_forward():
 @pytest.mark.parametrize("resume, items, sentence", [
     ("auto", (), "resuming a pipeline run is not built yet; start it afresh"),
     (None, ("train.max_time_s=60",), "train.max_time_s stops each pipeline stage by its own clock"),
+    (None, ("train.precision=fp16",), "train.precision: fp16 needs the loss scaler"),
 ])
 def test_what_pipelines_cannot_do_yet_is_one_sentence_before_anything_runs(resume, items, sentence):
     """A resume (the stage's checkpoint check would blame the checkpoint), and a stop by each rank's own clock

@@ -223,18 +223,30 @@ def optimizer_step(trainer, batches) -> StepResult:
         trainer.meter.totals.add(loss_sum, out, y)
         images += len(y) * readers
     trainer.grad_sync()
+    apply_update(trainer, loss_sum, batch, _clip_local)
+    return StepResult(loss_sum / len(y), (x, y), images, data_wait)
+
+
+def apply_update(trainer, loss_sum: torch.Tensor, batch, clip) -> None:
+    """What every step does once its gradients are summed: ``on_before_update``, the learning rate, clipping
+    (``clip(optimizer, max_norm)``, when ``train.grad_clip`` is set; after the fp16 scaler's unscale), the update
+    and zeroing the gradients (``optimizer_step``'s and a way's own step, e.g. a pipeline's)."""
+    run, max_norm = trainer.run, trainer.config.train.grad_clip
     trainer.callbacks.on_before_update(run)
     if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
         run.lr = run.optimizer.param_groups[0]["lr"]
     else:
         run.lr = trainer.plan.schedule(run.step) * run.lr_scale
         set_lr(run.optimizer, run.lr)
-    if t.grad_clip:
+    if max_norm:
         trainer.scaler.unscale_(run.optimizer)
-        nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], t.grad_clip)
+        clip(run.optimizer, max_norm)
     trainer.update(run, loss_sum, batch)
     trainer.grad_sync.zero_grad(run.optimizer)
-    return StepResult(loss_sum / len(y), (x, y), images, data_wait)
+
+
+def _clip_local(optimizer, max_norm: float) -> None:
+    nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm)
 
 
 def _call_step(ctx: StepContext, fn, x, y, cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

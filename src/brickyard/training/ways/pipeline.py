@@ -28,8 +28,8 @@ import torch.distributed as tdist
 from brickyard.distributed import pipeline as pp
 from brickyard.distributed.gradsync import GradSync
 from brickyard.errors import CheckpointError, ConfigError
-from brickyard.optim import set_lr
 from brickyard.training.run import StepResult
+from brickyard.training.step import apply_update
 from brickyard.training.ways.base import Way
 
 
@@ -61,6 +61,9 @@ class PipelineWay(Way):
         if resume:
             raise ConfigError("dist.pipeline.stages: resuming a pipeline run is not built yet; start it afresh in a "
                               "new run directory.")
+        if self.cfg.train.precision == "fp16":
+            raise ConfigError("train.precision: fp16 needs the loss scaler, which the pipeline's schedule does not "
+                              "apply to its microbatches yet; use bf16 or fp32 with dist.pipeline.stages.")
         if self.cfg.train.max_time_s:
             raise ConfigError("train.max_time_s stops each pipeline stage by its own clock, and the stages do not "
                               "agree on a stop yet; leave it 0 with dist.pipeline.stages.")
@@ -117,7 +120,7 @@ class PipelineWay(Way):
 
     def step(self, trainer, batches) -> StepResult:
         """One optimiser step of the pipeline (the ``training.step.optimizer_step`` contract)."""
-        run, t = trainer.run, trainer.config.train
+        run = trainer.run
         wait = time.perf_counter()
         x, y, n_global, offset = next(batches)
         data_wait = time.perf_counter() - wait
@@ -130,23 +133,13 @@ class PipelineWay(Way):
         if trainer.check_each_step and not torch.isfinite(loss_sum):
             trainer.guard.raise_for(run, x, y)
         trainer.meter.totals.add(loss_sum, out, y)
-        trainer.callbacks.on_before_update(run)
-        if run.config.schedule.name == "none":
-            run.lr = run.optimizer.param_groups[0]["lr"]
-        else:
-            run.lr = trainer.plan.schedule(run.step) * run.lr_scale
-            set_lr(run.optimizer, run.lr)
-        if t.grad_clip:
-            self._clip(run.optimizer, t.grad_clip, run.device)
-        trainer.update(run, loss_sum, (x, y, n_global))
-        trainer.grad_sync.zero_grad(run.optimizer)
+        apply_update(trainer, loss_sum, (x, y, n_global), self._clip)
         return StepResult(loss_sum / len(y), (x, y), len(y), data_wait)
 
-    @staticmethod
-    def _clip(optimizer, max_norm: float, device) -> None:
+    def _clip(self, optimizer, max_norm: float) -> None:
         """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
         tdist.all_reduce(sq)
         coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
