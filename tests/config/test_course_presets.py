@@ -4,6 +4,7 @@ import pytest
 
 from brickyard.config import load_config
 from brickyard.data import idx
+from brickyard.data.export import export_idx
 from brickyard.data.photos import make_photo_folder
 from conftest import run_cli, sets
 
@@ -31,6 +32,10 @@ def test_the_course_presets_state_the_courses_recipes():
     assert ft.optim.lr == pytest.approx(5e-5 * 128) and ft.optim.weight_decay == pytest.approx(1e-3 / 128)
     assert (ft.finetune.head_lr_mult, ft.finetune.reset_head, ft.finetune.init_from, ft.train.epochs) == \
         (10, True, "torchvision:resnet18", 5)
+    alex = load_config("d2l-alexnet")  # Fashion-MNIST resized to 224, read as an exported image folder
+    assert (alex.model.name, alex.model.init, alex.optim.name, alex.optim.lr, alex.data.global_batch_size, alex.train.epochs,
+            alex.data.train_transforms, alex.data.eval_transforms, alex.data.normalize, alex.dist.pipeline.stages) == \
+        ("alexnet", "xavier", "sgd", 0.01, 128, 10, ("resize:224x224",), ("resize:224x224",), "none", 2)
 
 
 @pytest.mark.fast
@@ -60,6 +65,17 @@ def test_the_resnet_course_preset_trains_steps(tmp_path):
                 "--warmup", "1")
     assert r.returncode == 0, r.stderr
     assert "img/s" in r.stdout or "images/s" in r.stdout
+
+
+@needs_fashion
+def test_the_alexnet_preset_runs_in_two_stages_on_an_exported_fashion_mnist(tmp_path):
+    """As its comment says to run it: Fashion-MNIST written as PNGs (2 of each class here), then 2 processes."""
+    export_idx("fashion-mnist", tmp_path / "fashion", None, limit=2)
+    r = run_cli("train", "d2l-alexnet", *sets(*QUICK, "train.threads=1", f"data.root={tmp_path / 'fashion'}",
+                                               "data.global_batch_size=8", "data.num_workers=0"),
+                "--devices", "cpu:2", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert "pipeline:" in r.stdout and "test accuracy:" in r.stdout
 
 
 def test_the_fine_tuning_preset_runs_on_an_image_folder(tmp_path):

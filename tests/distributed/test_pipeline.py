@@ -5,6 +5,7 @@ Pinned as the FSDP tests are: fp32, one thread per process, deterministic algori
 rate. ViT-Tiny on 14-pixel images of one patch (2 tokens with the class token) in global batches of 32.
 """
 import re
+import shutil
 
 import pytest
 import torch
@@ -16,15 +17,16 @@ from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, ways
 from conftest import SYNTH, run_cli, sets
 
-VIT = SYNTH + ["train.deterministic=true", "optim.name=sgd", "optim.weight_decay=0", "schedule.name=constant",
+VIT = SYNTH + ["train.deterministic=true", "optim.name=momentum", "optim.weight_decay=0", "schedule.name=constant",
                "optim.lr=0.01", "model.name=vit_tiny", "model.patch_size=14", "data.synthetic.channels=3",
                "data.synthetic.height=14", "data.synthetic.width=14", "data.synthetic.num_train=640",
                "data.synthetic.num_val=64", "data.synthetic.num_test=64", "data.global_batch_size=32",
-               "train.epochs=1", "train.max_steps=20", "train.plots=false"]
+               "train.epochs=1", "train.max_steps=20", "checkpoint.every_steps=10", "train.plots=false"]
 
 
-def _train(run_dir, *items, devices=None):
-    args = ["train", *sets(*items), "--run-dir", str(run_dir)] + (["--devices", devices] if devices else [])
+def _train(run_dir, *items, devices=None, resume=False):
+    args = ["train", *sets(*items), "--run-dir", str(run_dir)] + (["--devices", devices] if devices else []) + (
+        ["--resume", "auto"] if resume else [])
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -34,22 +36,52 @@ def _last(run_dir):
     return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])
 
 
-def test_vit_tiny_on_two_stages_trains_the_weights_of_one_process_and_each_rank_holds_its_half(tmp_path):
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _moved(src, step: int, to):
+    """A run directory holding ``src``'s config and its checkpoint of ``step``: what ``--resume auto`` continues."""
+    (to / "checkpoints").mkdir(parents=True)
+    shutil.copy(src / "config.yaml", to)
+    shutil.copy(src / "checkpoints" / f"step-{step:07d}.pt", to / "checkpoints")
+    return to
+
+
+def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_process_and_two_by_two(tmp_path):
+    """2 stages against 1 process (20 steps of SGD with momentum, so the optimiser state moves too); the 2-stage
+    run's step-10 checkpoint resumed on 1 process, the 1-process one on 2 stages x 2 replicas (4 processes), both
+    to the 1-process run's weights; the 2-stage one resumed on 2 stages bit for bit."""
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, *VIT)
     _train(two, *VIT, "dist.pipeline.stages=2", devices="cpu:2")
     a, b = _last(one), _last(two)
     assert a["step"] == b["step"] == 20 and list(a["model"]) == list(b["model"])  # the whole model, its own names
-    diff = max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
-    assert diff < 1e-5, diff
+    assert _diff(a["model"], b["model"]) < 1e-5
+    # the optimiser state as one process numbers it: the momentum of every parameter, in one process's groups
+    assert [g["params"] for g in a["optimizer"]["param_groups"]] == [g["params"] for g in b["optimizer"]["param_groups"]]
+    assert _diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
+                 {i: s["momentum_buffer"] for i, s in b["optimizer"]["state"].items()}) < 1e-5
     held = {}
     for rank in (0, 1):  # what each process says it holds, from its own log
-        line = re.search(r"pipeline: stage (\d) of 2 .* holds \S+: (\d+) of (\d+) parameters",
+        line = re.search(r"pipeline: rank (\d) is stage (\d) of 2 .*: \S+, ([\d,]+) of ([\d,]+) parameters",
                          (two / "logs" / f"workerlog.{rank}").read_text())
-        assert line and int(line[1]) == rank
-        held[rank], total = int(line[2]), int(line[3])
+        assert line and int(line[1]) == int(line[2]) == rank
+        held[rank], total = int(line[3].replace(",", "")), int(line[4].replace(",", ""))
     assert held[0] + held[1] == total == sum(v.numel() for k, v in a["model"].items() if "running" not in k)
     assert all(0.45 * total < h < 0.55 * total for h in held.values()), held
+    back = _moved(two, 10, tmp_path / "back")  # 2 stages -> 1 process
+    _train(back, "dist.pipeline.stages=1", resume=True)
+    assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
+    assert _last(back)["step"] == 20 and _diff(a["model"], _last(back)["model"]) < 1e-5
+    wide = _moved(one, 10, tmp_path / "wide")  # 1 process -> 2 stages x 2 replicas
+    r = _train(wide, "dist.pipeline.stages=2", devices="cpu:4", resume=True)
+    assert "rank 3 is stage 1 of 2, replica 1 of 2" in (wide / "logs" / "workerlog.3").read_text(), r.stdout[-2000:]
+    assert _last(wide)["step"] == 20 and _diff(a["model"], _last(wide)["model"]) < 1e-5
+    again = _moved(two, 10, tmp_path / "again")  # the same layout: bit for bit
+    _train(again, resume=True, devices="cpu:2")
+    c = _last(again)
+    assert c["step"] == 20 and all(torch.equal(b["model"][k], c["model"][k]) for k in b["model"])
 
 
 def _check(model, *items):
@@ -75,13 +107,13 @@ def test_a_split_point_names_a_block_boundary():
         _check(_seq(3), "dist.pipeline.stages=2", "dist.pipeline.split=[0]")
 
 
-def test_stages_need_one_process_each():
-    with pytest.raises(ConfigError, match="runs one process a stage and this job has 1; replicas of a pipeline are not built yet"):
-        _check(_seq(3), "dist.pipeline.stages=2", "dist.pipeline.split=[2]")
+def test_stages_must_divide_the_processes():
+    with pytest.raises(ConfigError, match=re.escape("dist.pipeline.stages: 2 does not divide the job's 3 processes; a job "
+                                                    "runs whole pipelines (processes = stages x replicas).")):
+        ways.choose(load_config("mnist", SYNTH + ["dist.pipeline.stages=2"]), DistInfo(world_size=3)).check(_seq(3), None)
 
 
 @pytest.mark.parametrize("items, sentence", [
-    (["data.global_batch_size=30"], r"dist.pipeline.microbatches: 4 does not divide a device's batch \(data.global_batch_size: 30\)"),
     (["dist.pipeline.microbatches=5"], r"dist.pipeline.microbatches: 5 does not divide a device's batch \(data.batch_size: 32\)"),
     (["dist.mode=ps"], r"dist.pipeline.stages: 2 does not combine with dist.mode: ps"),
     (["boost.dim_reduce.enabled=true"], r"dist.pipeline.stages: 2 does not combine with boost"),
@@ -107,14 +139,15 @@ def test_stages_cut_a_vit_at_its_blocks_and_compose_to_its_forward():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("resume, items, sentence", [
-    ("auto", (), "resuming a pipeline run is not built yet; start it afresh"),
-    (None, ("train.max_time_s=60",), "train.max_time_s stops each pipeline stage by its own clock"),
-    (None, ("train.precision=fp16",), "train.precision: fp16 needs the loss scaler"),
+@pytest.mark.parametrize("world, items, sentence", [
+    (2, ("train.precision=fp16",), "train.precision: fp16 needs the loss scaler"),
+    (2, ("data.global_batch_size=30",), "dist.pipeline.microbatches: 4 does not divide a device's batch of 30 "
+                                        "(data.global_batch_size: 30); choose a divisor of it."),
+    (4, ("data.global_batch_size=20",), "dist.pipeline.microbatches: 4 does not divide a device's batch of 10 "
+                                        "(data.global_batch_size: 20 over 2 pipelines); choose a divisor of it."),
+    (4, ("data.global_batch_size=33",), "does not divide a device's batch of 17 (data.global_batch_size: 33 over 2 pipelines)"),
 ])
-def test_what_pipelines_cannot_do_yet_is_one_sentence_before_anything_runs(resume, items, sentence):
-    """A resume (the stage's checkpoint check would blame the checkpoint), and a stop by each rank's own clock
-    (the stages do not agree on a stop yet: one would leave while the others wait in the pipeline)."""
+def test_what_a_pipeline_layout_cannot_do_is_one_sentence_before_anything_runs(world, items, sentence):
     cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.pipeline.split=[2]", *items])
     with pytest.raises(ConfigError, match=re.escape(sentence)):
-        ways.choose(cfg, DistInfo(world_size=2)).check(_seq(3), resume)
+        ways.choose(cfg, DistInfo(world_size=world)).check(_seq(3), None)

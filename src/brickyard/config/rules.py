@@ -111,9 +111,8 @@ def pipeline_alone(dist, boost, train, data) -> None:
     ) if on]
     if other:
         raise ConfigError(f"dist.pipeline.stages: {p.stages} does not combine with {other[0]}.")
-    # one pipeline reads the whole global batch: a device's batch is the recipe's global batch
+    # a device's batch, when the config fixes it (a global batch is shared by the pipelines: the way checks it)
     m = p.microbatch_count()
-    key, batch = ("data.global_batch_size", data.global_batch_size) if data.global_batch_size else ("data.batch_size", data.batch_size)
-    if isinstance(batch, int) and batch % m:
-        raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch ({key}: {batch}); "
-                          f"choose a divisor of it.")
+    if isinstance(data.batch_size, int) and not data.global_batch_size and data.batch_size % m:
+        raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch (data.batch_size: "
+                          f"{data.batch_size}); choose a divisor of it.")

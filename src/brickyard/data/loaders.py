@@ -180,12 +180,20 @@ def step_batch(cfg, accum: int, world: int) -> int:
     return cfg.batch_size * world
 
 
+def readers_of(cfg, world: int) -> int:
+    """How many of a job's ``world`` processes read data: all but the parameter servers; one a pipeline (its
+    stages read the same share). ``cfg`` is the whole Config."""
+    if cfg.dist.pipeline.stages > 1:
+        return max(1, world // cfg.dist.pipeline.stages)
+    return world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
+
+
 def check_readers(cfg, world: int, n_train: int | None = None) -> None:
     """Every process that reads data (all of them, less the parameter servers) gets at least one image
     of each global batch and of the training split (``n_train``, when known); one sentence otherwise.
     ``cfg`` is the whole Config. The launcher calls it before any worker starts, ``train`` before
     anything is written."""
-    readers = world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
+    readers = readers_of(cfg, world)
     if readers < 1:
         return  # the parameter-server layout check says it
     if n_train is not None and n_train < readers:

@@ -19,6 +19,8 @@ block boundaries allow), not by measured time or memory; ``dist.pipeline.split``
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as tdist
 from torch import nn
@@ -34,7 +36,8 @@ def pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(model, nn.Sequential):
         return list(model.named_children())
     raise ConfigError(f"dist.pipeline.stages: {type(model).__name__} is not a sequence of blocks; pipeline stages "
-                      f"cut an nn.Sequential or a registry ViT so far.")
+                      f"cut an nn.Sequential or a model with a pipeline_pieces() method (the registry's ResNets, VGG "
+                      f"and ViTs have one).")
 
 
 def _count(module: nn.Module) -> int:
@@ -51,18 +54,26 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
                           f"{type(model).__name__} ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).")
     if split:
         modules = dict(model.named_modules())
+        at = []
         for name in split:
             if name not in modules:
                 raise ConfigError(f"dist.pipeline.split: {name!r} is not a module name of {type(model).__name__} "
                                   f"(module names are like those of `brickyard inspect`).")
-            if name not in names[1:]:
+            begins = [i for i, n in enumerate(names) if n == name or n.startswith(name + ".")]  # layer3: layer3.0
+            if not begins or begins[0] == 0 or not _whole(names, begins):
                 raise ConfigError(f"dist.pipeline.split: {name!r} is not a block boundary of {type(model).__name__}; "
                                   f"a stage can begin at {', '.join(names[1:7])}{', ...' if len(names) > 7 else ''}.")
-        at = sorted(names.index(n) for n in split)
+            at.append(begins[0])
+        at.sort()
         if len(set(at)) != len(at):
             raise ConfigError(f"dist.pipeline.split names a block twice: {list(split)}.")
         return [0, *at]
     return _balanced([_count(m) for _, m in parts], stages)
+
+
+def _whole(names: list[str], begins: list[int]) -> bool:
+    """Whether the pieces at ``begins`` are consecutive: a module made of several pieces, cut before its first."""
+    return begins == list(range(begins[0], begins[0] + len(begins)))
 
 
 def _balanced(sizes: list[int], stages: int) -> list[int]:
@@ -81,7 +92,18 @@ def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequenti
     """Stage ``index``'s pieces as one module (the model's own parameters, not copies)."""
     parts = pieces(model)
     end = starts[index + 1] if index + 1 < len(starts) else len(parts)
-    return nn.Sequential(*(m for _, m in parts[starts[index]:end]))
+    mine = [m for _, m in parts[starts[index]:end]]
+    if index and getattr(mine[0], "inplace", False):  # ReLU(inplace=True) would write into the received activation
+        mine.insert(0, _Copy())
+    return nn.Sequential(*mine)
+
+
+class _Copy(nn.Module):
+    """A later stage's input copied before an in-place first piece: the activation a stage receives is a leaf that
+    requires grad, which autograd does not let an in-place operation write to."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
 
 
 def own_names(model: nn.Module, stage: nn.Module) -> dict[str, str]:
@@ -90,25 +112,94 @@ def own_names(model: nn.Module, stage: nn.Module) -> dict[str, str]:
     return {k: names[id(t)] for k, t in stage.state_dict(keep_vars=True).items()}
 
 
-def gather_state(stage: nn.Module, names: dict[str, str], order: list[str], optimizer) -> tuple[dict, dict]:
-    """(the whole model's state under its own names, in ``order``; every stage's optimiser state, by stage):
-    gathered from every rank, a collective."""
+def gather_state(stage: nn.Module, names: dict[str, str], order: list[str], optimizer, groups: Groups,
+                 group) -> tuple[dict, dict]:
+    """(the whole model's state under its own names, in ``order``; the optimiser's state as one process holds it):
+    gathered from every stage of ``group`` (one pipeline), a collective. ``names``: the stage's state names to the
+    model's.
+
+    One process's ``optimizer.state_dict()`` numbers the parameters through its groups in order; the stages'
+    states are keyed by name here and numbered that way, so a run of any layout (one process, FSDP, other
+    stages) reads the optimiser state of this one, and this one reads theirs (``stage_optimizer_state``)."""
     mine = {names[k]: v.detach().cpu() for k, v in stage.state_dict().items()}
-    parts: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(parts, (mine, optimizer.state_dict()))
-    whole = {k: v for m, _ in parts for k, v in m.items()}
-    return {k: whole[k] for k in order if k in whole}, {"stages": [o for _, o in parts]}
+    sd = optimizer.state_dict()
+    states, hyper = {}, {}
+    for g, whole, held in zip(sd["param_groups"], groups.kept, groups.held):
+        hyper[whole] = {k: v for k, v in g.items() if k != "params"}
+        states.update({name: sd["state"][i] for i, name in zip(g["params"], held) if i in sd["state"]})
+    parts: list = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(parts, (mine, states, hyper), group=group)
+    whole_state = {k: v for m, _, _ in parts for k, v in m.items()}
+    by_name = {k: v for _, s, _ in parts for k, v in s.items()}
+    settings = {g: h for _, _, hs in parts for g, h in hs.items()}
+    return ({k: whole_state[k] for k in order if k in whole_state},
+            _numbered(by_name, groups.layout, range(len(groups.layout)), groups.layout, settings))
 
 
-def broadcast_from_last(t: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
-    """The last stage's ``t`` (n x ..., float32) on every rank: its shape, then its values."""
-    last = tdist.get_world_size() - 1
+def _numbered(by_name: dict, layout: list[list[str]], kept, held: list[list[str]], settings: dict) -> dict:
+    """An optimiser ``state_dict`` of the groups ``kept`` (indices in ``layout``), holding ``held``'s names."""
+    state, out, i = {}, [], 0
+    for whole, names in zip(kept, held):
+        ids = []
+        for name in names:
+            if name in by_name:
+                state[i] = by_name[name]
+            ids.append(i)
+            i += 1
+        out.append({**settings[whole], "params": ids})
+    return {"state": state, "param_groups": out}
+
+
+def stage_optimizer_state(saved: dict, groups: Groups) -> dict:
+    """The part of one process's optimiser state ``saved`` that a stage's optimiser holds. ``ValueError`` for the
+    state of other groups (the trainer says it in one sentence)."""
+    saved_groups = saved.get("param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups.layout):
+        raise ValueError(f"{len(saved_groups) if isinstance(saved_groups, list) else 'no'} parameter groups where "
+                         f"the model has {len(groups.layout)}")
+    by_name = {}
+    for g, names in zip(saved_groups, groups.layout):
+        ids = g.get("params") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(names):
+            raise ValueError(f"a parameter group of {len(ids) if isinstance(ids, list) else 'no'} parameters where "
+                             f"the model's has {len(names)}")
+        by_name.update({name: saved["state"][i] for i, name in zip(ids, names) if i in saved["state"]})
+    settings = {w: {k: v for k, v in g.items() if k != "params"} for w, g in enumerate(saved_groups)}
+    return _numbered(by_name, groups.layout, groups.kept, groups.held, settings)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A stage's optimiser groups against the whole model's: ``layout`` names the parameters of each of the whole
+    model's groups (as one process makes them), ``kept`` is the index in ``layout`` of each group the stage's
+    optimiser has, ``held`` the names of that group's parameters the stage holds."""
+    layout: list[list[str]]
+    kept: list[int]
+    held: list[list[str]]
+
+
+def held_groups(groups: list[dict], stage: nn.Module) -> tuple[list[dict], Groups]:
+    """The whole model's optimiser ``groups`` (each with ``names``) cut to the parameters ``stage`` holds; groups
+    left empty are dropped."""
+    own = {id(p) for p in stage.parameters()}
+    cut, kept = [], []
+    for i, g in enumerate(groups):
+        mine = [(n, p) for n, p in zip(g["names"], g["params"]) if id(p) in own]
+        if mine:
+            cut.append({**g, "names": [n for n, _ in mine], "params": [p for _, p in mine]})
+            kept.append(i)
+    return cut, Groups([list(g["names"]) for g in groups], kept, [g["names"] for g in cut])
+
+
+def broadcast_from_last(t: torch.Tensor | None, n: int, device: torch.device, group=None) -> torch.Tensor:
+    """The last stage's ``t`` (n x ..., float32) on every rank of ``group`` (one pipeline): its shape, then its values."""
+    last = tdist.get_global_rank(group, tdist.get_world_size(group) - 1) if group is not None else tdist.get_world_size() - 1
     shape = torch.zeros(8, dtype=torch.int64, device=device)
     if t is not None:
         shape[0] = t.dim()
         shape[1:1 + t.dim()] = torch.tensor(t.shape)
-    tdist.broadcast(shape, last)
+    tdist.broadcast(shape, last, group=group)
     out = t.detach().float().contiguous() if t is not None else torch.empty(
         tuple(shape[1:1 + int(shape[0])].tolist()), device=device)
-    tdist.broadcast(out, last)
+    tdist.broadcast(out, last, group=group)
     return out

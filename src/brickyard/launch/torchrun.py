@@ -162,7 +162,7 @@ def process_env(cfg) -> None:
 def launch(args, cfg) -> int:
     """Run the training job under torchrun (one process: in this process); returns the exit code."""
     # lazy: these import torch, and the CLI imports this module before a command runs (start-up time)
-    from brickyard.data.loaders import check_readers, device_batches
+    from brickyard.data.loaders import check_readers, device_batches, readers_of
     from brickyard.training.rundir import RunDir, default_path
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
@@ -182,7 +182,7 @@ def launch(args, cfg) -> int:
         print_result(summary)
         return 0
     worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, job)
-    parts = device_batches(cfg.data, cfg.train.grad_accum, job.world)
+    parts = device_batches(cfg.data, cfg.train.grad_accum, max(1, readers_of(cfg, job.world)))
     return run_torchrun(job, worker, log_dir, f"global batch {sum(parts) * cfg.train.grad_accum}, "
                                               f"{max(parts)} per device; ")
 

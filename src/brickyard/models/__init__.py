@@ -26,7 +26,7 @@ def register(name: str, doc: str):
 
 
 def _load_all():
-    from brickyard.models import resnet, small, vgg, vit  # noqa: F401  (registration side effect)
+    from brickyard.models import alexnet, resnet, small, vgg, vit  # noqa: F401  (registration side effect)
 
 
 def names() -> list[str]:
@@ -65,7 +65,7 @@ def _takers(key: str) -> list[str]:
 
 
 NATURAL_INPUT = {"mnist_cnn": (1, 28), "mnist_fast": (1, 28), "lenet": (1, 28), "mlp": (1, 28), "convnet": (1, 28), "fashion_fast": (1, 28), "fashion_lean": (1, 28), "fashion_wide": (1, 28),
-                 "resnet18": (3, 32)}  # the rest are ImageNet layouts: 3 x 224 x 224
+                 "resnet18": (3, 32), "alexnet": (1, 224)}  # d2l's AlexNet: Fashion-MNIST upsampled; the rest are ImageNet layouts: 3 x 224 x 224
 
 
 def natural_input(name: str) -> tuple[int, tuple[int, int]]:

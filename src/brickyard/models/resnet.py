@@ -98,6 +98,32 @@ class ResNet(nn.Module):
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(self.avgpool(x).flatten(1))
 
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """The model as a sequence of (name, module) whose composition is ``forward``: the stem (``conv1``: conv1,
+        bn1, relu, maxpool), each residual block (``layer1.0`` ... ``layer4.N``), the head (``fc``: avgpool,
+        flatten, fc); each piece holds this model's own parameters (the pieces a pipeline's stages are cut from)."""
+        blocks = [(f"{layer}.{i}", b) for layer in ("layer1", "layer2", "layer3", "layer4")
+                  for i, b in enumerate(getattr(self, layer))]
+        return [("conv1", _Stem(self)), *blocks, ("fc", _Head(self))]
+
+
+class _Stem(nn.Module):
+    def __init__(self, resnet: ResNet):
+        super().__init__()
+        self.conv1, self.bn1, self.relu, self.maxpool = resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool
+
+    def forward(self, x):
+        return self.maxpool(self.relu(self.bn1(self.conv1(x))))  # as ResNet.forward's first line
+
+
+class _Head(nn.Module):
+    def __init__(self, resnet: ResNet):
+        super().__init__()
+        self.avgpool, self.fc = resnet.avgpool, resnet.fc
+
+    def forward(self, x):
+        return self.fc(self.avgpool(x).flatten(1))  # as ResNet.forward's last line
+
 
 @register("resnet18", "ResNet-18 for small images (3x3 stem, stride 1, no max-pool)")
 def resnet18(num_classes=10, in_channels=3, image_size=(32, 32), drop_path=0.0):

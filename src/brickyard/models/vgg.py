@@ -33,6 +33,31 @@ class VGG(nn.Module):
     def forward(self, x):
         return self.classifier(self.avgpool(self.features(x)).flatten(1))
 
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """The model as a sequence of (name, module) whose composition is ``forward``: each convolution with its
+        ReLU (named as the convolution, ``features.0``), each max-pool (``features.4``), then the head
+        (``classifier``: avgpool, flatten, classifier); each piece holds this model's own parameters.
+
+        A convolution and its ReLU stay together: the ReLU works in place, and a stage that began with it would write
+        into the activation it received, a leaf that requires grad, which autograd refuses."""
+        layers = list(self.features.named_children())
+        out: list[tuple[str, nn.Module]] = []
+        for i, (name, layer) in enumerate(layers):
+            if isinstance(layer, nn.Conv2d):  # every convolution of CFG16 is followed by its ReLU
+                out.append((f"features.{name}", nn.Sequential(layer, layers[i + 1][1])))
+            elif isinstance(layer, nn.MaxPool2d):
+                out.append((f"features.{name}", layer))
+        return [*out, ("classifier", _Head(self))]
+
+
+class _Head(nn.Module):
+    def __init__(self, vgg: VGG):
+        super().__init__()
+        self.avgpool, self.classifier = vgg.avgpool, vgg.classifier
+
+    def forward(self, x):
+        return self.classifier(self.avgpool(x).flatten(1))  # as VGG.forward, after the features
+
 
 @register("vgg16", "VGG-16, ImageNet layout (torchvision key names)")
 def vgg16(num_classes=1000, in_channels=3, image_size=(224, 224), head="default"):

@@ -106,12 +106,13 @@ class Checkpoints:
         self.best_metric: float | None = None
         self.best_step: int | None = None   # the step whose weights best.pt holds
 
-    def restore_check(self, run, path: Path, state: dict) -> None:
-        """Refuse a model that does not fit, or a config that would change the run (``config.check_resumable``,
-        what ``--resume auto`` checks against ``config.yaml``), before anything is put back."""
-        check_model(state, run.model, path)
+    def restore_check(self, model, config, path: Path, state: dict) -> None:
+        """Refuse a ``model`` (the whole model, as a checkpoint holds it) that does not fit, or a ``config`` that
+        would change the run (``config.check_resumable``, what ``--resume auto`` checks against ``config.yaml``),
+        before anything is put back."""
+        check_model(state, model, path)
         if isinstance(state.get("config"), dict):
-            check_resumable(state["config"], run.config, f"the checkpoint {path}")
+            check_resumable(state["config"], config, f"the checkpoint {path}")
 
     # writing
 

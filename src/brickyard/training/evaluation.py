@@ -85,14 +85,15 @@ class SplitEvaluator:
     """``evaluate`` with a run's model (its evaluation weights: EMA's average when on), data and ranks:
     ``evaluator(run, split, keep_errors)``."""
 
-    def __init__(self, prep, loss_sum, readers: int, group, lockstep: bool):
-        self.prep, self.loss_sum, self.readers, self.group, self.lockstep = prep, loss_sum, readers, group, lockstep
+    def __init__(self, prep, loss_sum, readers: int, reader: int, group, lockstep: bool):
+        self.prep, self.loss_sum, self.readers, self.reader = prep, loss_sum, readers, reader
+        self.group, self.lockstep = group, lockstep
 
     def __call__(self, run, split: Split, keep_errors: int = 0) -> dict:
         c = run.config
         with run.eval_weights():
             return evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
-                            run.data.num_classes, self.readers, min(run.rank, self.readers - 1), self.group, keep_errors,
+                            run.data.num_classes, self.readers, self.reader, self.group, keep_errors,
                             c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
                             shift=c.data.shift, limit=c.data.eval_limit)
 

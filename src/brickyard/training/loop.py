@@ -147,7 +147,7 @@ def _reported(s: _Start):
         heartbeat = dist.Heartbeat(info, on_lost=lost)
         opened.group, opened.messages = s.way.groups()  # collective: every rank, in this order
         if not s.way.serves(info.rank):
-            opened.vote = dist.StopVote(info, warn=log.warning, group=opened.group)
+            opened.vote = dist.StopVote(info, warn=log.warning, group=s.way.vote_group(opened.group))
         yield opened
         done = True
     except BrickyardError as e:
@@ -196,7 +196,7 @@ def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
     torch.manual_seed(cfg.train.seed)
     if cfg.data.batch_size == "auto":
         cfg = cfg.replace(**{"data.batch_size": auto_batch(cfg, s.model, s.data, s.host.device, info, log)})
-    way = ways.choose(cfg, info)  # from the final config (workers and batch resolved): no part holds the one given
+    way = ways.choose(cfg, info, (opened.group, opened.messages))  # from the final config (workers and batch resolved): no part holds the one given
     found = ckpt.find(s.resume, s.run_dir / "checkpoints", log.warning, log.info) if s.resume else None
     if s.resume and s.resume != "auto":
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint

@@ -94,9 +94,9 @@ class Trainer:
     def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
-        self.model, self.channels_last = place(model, job, data.is_images, log)
-        self.param_groups = param_groups(self.model, cfg.optim, find_head(self.model) if cfg.finetune.head_lr_mult != 1.0
-                                         else None, cfg.finetune.head_lr_mult)
+        whole, self.model, self.channels_last = place(model, job, data.is_images, log)
+        self.param_groups = way.held_groups(param_groups(whole, cfg.optim, find_head(whole) if cfg.finetune.head_lr_mult
+                                                         != 1.0 else None, cfg.finetune.head_lr_mult), self.model)
         self.losses = Losses(user.loss_fn, cfg.optim, host.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=host.precision == "fp16")
         self.step_fn = user.train_step or default_step
@@ -109,11 +109,11 @@ class Trainer:
                        host.device, host.precision, job.run_dir, log, self.plan.steps_per_epoch, self.plan.total_steps,
                        meter=self.meter, _control=self.control)
         self.update = way.update(self.run, self.param_groups, self.losses.train, self.scaler, job.group, job.messages)
-        self.loader = make_train_loader(data.train, cfg.data, host.device, way.readers, min(info.rank, way.readers - 1), cfg.train.seed,
+        self.loader = make_train_loader(data.train, cfg.data, host.device, way.readers, way.reader_index, cfg.train.seed,
                                         cfg.train.grad_accum)
         self.prep = augment.build(cfg, data, host.device, self.channels_last, cfg.train.seed, way.readers, job.group,
                                   augment.float_dtype(self.model))
-        self.evaluate = SplitEvaluator(self.prep, self.losses.eval, way.readers, job.group, way.sharded)
+        self.evaluate = SplitEvaluator(self.prep, self.losses.eval, way.readers, way.reader_index, job.group, way.sharded)
         c = cfg.checkpoint
         self.checkpoints = ckpt.Checkpoints(job.run_dir / "checkpoints", c.keep_last, c.keep_best, info.is_main,
                                             self.guard, self.state_dict, way.sharded, self._saved)
@@ -170,7 +170,7 @@ class Trainer:
         """Weights, optimiser, scaler, RNG, callbacks' state, the best metric and the step of ``state`` (read
         from ``path``); what does not fit is refused first, in one sentence."""
         run = self.run
-        self.checkpoints.restore_check(run, path, state)
+        self.checkpoints.restore_check(self.way.whole_model(run.model), run.config, path, state)
         try:
             self.way.load_state(run.model, run.optimizer, state)
         except (ValueError, KeyError, IndexError) as err:
@@ -336,9 +336,9 @@ class Trainer:
         return summary
 
 
-def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, bool]:
+def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, nn.Module, bool]:
     """The model on its device (layout, SyncBatchNorm, activation checkpointing, then the way's sharding):
-    (model, channels_last)."""
+    (the whole model, the module this rank trains: the model or a pipeline's stage of it, channels_last)."""
     cfg, host, info = job.config, job.host, job.info
     t, device = cfg.train, host.device
     if t.deterministic:
@@ -355,13 +355,14 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, boo
         log.info(f"activation checkpointing: {len(checkpointed)} blocks ({', '.join(checkpointed[:4])}"
                  f"{', ...' if len(checkpointed) > 4 else ''}) recompute their activations in the backward pass")
     stage = job.way.shard(model, host, log)
-    return (model if stage is None else stage), channels_last
+    return model, (model if stage is None else stage), channels_last
+
 
 
 def serve(job: Job, model: nn.Module, data: DataBundle, log) -> None:
     """A serving rank's whole part in the job (a parameter server): no training run is built on it."""
     cfg = job.config
-    model, _ = place(model, job, data.is_images, log)
+    model, _, _ = place(model, job, data.is_images, log)
     groups = param_groups(model, cfg.optim, find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None,
                           cfg.finetune.head_lr_mult)
     job.way.serve([p.detach() for g in groups for p in g["params"]], job.plan, job.messages, log)

@@ -48,6 +48,7 @@ def name_of(cfg) -> str:
     return "fsdp" if cfg.dist.strategy == "fsdp" else "collective"
 
 
-def choose(cfg, info) -> Way:
-    """This run's way of training, for this process's place in the job (``DistInfo``)."""
-    return WAYS[name_of(cfg)](cfg, info)
+def choose(cfg, info, groups=None) -> Way:
+    """This run's way of training, for this process's place in the job (``DistInfo``); ``groups``: what an earlier
+    way's ``groups()`` made (the process groups are made once a job, and the way a run trains with takes them)."""
+    return WAYS[name_of(cfg)](cfg, info, groups)

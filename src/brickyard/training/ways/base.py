@@ -20,8 +20,9 @@ class Way:
     stops_early = True     # a callback may end the run before its last step
     shards_state = False   # each of N ranks holds 1/N of the parameters, gradients and optimiser state
 
-    def __init__(self, cfg, info):
+    def __init__(self, cfg, info, groups=None):
         self.cfg, self.info = cfg, info
+        self.joined = groups  # what ``groups`` made, for the way a run trains with (None: not made yet)
 
     def check(self, model, resume: str | None) -> None:
         """What this way refuses of the run, in one sentence, before anything is written."""
@@ -30,6 +31,11 @@ class Way:
     def readers(self) -> int:
         """Processes that read data and train (all but a parameter server's servers)."""
         return self.info.world_size
+
+    @property
+    def reader_index(self) -> int:
+        """Which of the ``readers`` shares of each global batch (and of each evaluation) this process reads."""
+        return min(self.info.rank, self.readers - 1)
 
     def serves(self, rank: int) -> bool:
         """Whether ``rank`` serves the others instead of training (a parameter server)."""
@@ -48,6 +54,20 @@ class Way:
         """(the readers' process group, a group of this way's own messages): made in the same order on
         every rank (``new_group`` is collective); None for all ranks / none."""
         return None, None
+
+    def vote_group(self, readers_group):
+        """The process group whose ranks agree on a stop step (``StopVote``): every rank that trains, which
+        is the readers' group unless some ranks train without reading (a pipeline's later stages: None, all)."""
+        return readers_group
+
+    def held_groups(self, groups: list[dict], module: nn.Module) -> list[dict]:
+        """The optimiser groups of this rank's ``module``, from the whole model's ``groups`` (named and ordered as one
+        process makes them: ``optim.param_groups``): all of them, unless a rank holds part of the model."""
+        return groups
+
+    def whole_model(self, model: nn.Module) -> nn.Module:
+        """The model a checkpoint holds, for ``model`` as this rank trains it (a pipeline's stage: the whole model)."""
+        return model
 
     def update(self, run, param_groups, loss_sum, scaler, group, messages) -> Update:
         """What a step's gradients do to the weights (``group``: the readers' process group, ``messages``: this

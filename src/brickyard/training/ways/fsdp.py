@@ -19,8 +19,8 @@ class FSDPWay(Way):
     def capture_refusal(self) -> str | None:
         return "dist.strategy: fsdp gathers and shards the parameters around each step, which is not captured"
 
-    def __init__(self, cfg, info):
-        super().__init__(cfg, info)
+    def __init__(self, cfg, info, groups=None):
+        super().__init__(cfg, info, groups)
         self.keeps_layout = not info.distributed  # sharded, or one process with nothing to shard
 
     def check(self, model, resume):

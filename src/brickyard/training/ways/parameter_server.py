@@ -15,8 +15,8 @@ class ParameterServer(Way):
     def capture_refusal(self) -> str | None:
         return "dist.mode: ps sends the gradients to a server, which is not captured"
 
-    def __init__(self, cfg, info):
-        super().__init__(cfg, info)
+    def __init__(self, cfg, info, groups=None):
+        super().__init__(cfg, info, groups)
         self.layout = ps.check_layout(cfg, info.world_size)
         self.stops_early = not cfg.dist.ps.sync  # the servers count the steps of a synchronous run
 

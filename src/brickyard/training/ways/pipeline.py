@@ -1,22 +1,25 @@
-"""Pipeline stages (``dist.pipeline.stages: N``): the model cut at block boundaries into N stages, one a
-process, each holding its stage's parameters and optimiser state only; torch's ``PipelineStage`` and
+"""Pipeline stages (``dist.pipeline.stages: N``): the model cut at block boundaries into N stages, each
+process holding one stage's parameters and optimiser state only; torch's ``PipelineStage`` and
 ``ScheduleGPipe`` / ``Schedule1F1B`` run the microbatches (``distributed.pipeline`` says how the model is cut
 and cites torch's and torchtitan's sources).
 
-One pipeline (N processes, N stages): every rank reads the recipe's whole global batch, so the learning rate,
-schedule and data order are those of one process; the first stage takes the inputs, the last the targets and
-the run's training loss, each microbatch's loss divided by the global batch so that the gradient is its mean.
-The logits are broadcast from the last stage, so every rank counts loss and accuracy (and the NaN guard reads
-them) as one process does, each rank in a process group of its own (``groups``). Gradient clipping takes the
-global norm over the stages (one all-reduce). Evaluation runs the forward passes through the same stages, one
-microbatch a batch. A checkpoint holds the whole model under its own names (gathered on every rank) and each
-stage's optimiser state; ``load_state`` would read it back on the same number of stages, but resuming is
-refused in ``check`` for now (the checkpoint's check compares the whole model with the stage), as is
-``train.max_time_s`` (each rank's own clock, and the stages do not agree on a stop yet: the stop vote runs in each
-rank's own group). Batch norm sees microbatch statistics.
+Layout: a job of ``world`` processes is ``world / N`` pipelines (replicas) of N stages, as torchtitan's mesh
+puts pipeline stages outermost (``ParallelDims``: "pp" before "dp"): rank r runs stage ``r // replicas`` of
+replica ``r % replicas``. Each replica reads its share of the recipe's global batch, as data-parallel
+processes do, so the learning rate, schedule and data order are those of one process; the first stage takes the
+inputs, the last the targets and the loss, each microbatch's loss weighted so that the gradient, averaged over
+the replicas of a stage (one flat all-reduce in the stage's replica group), is the global batch's mean. The
+logits are broadcast from the last stage through the pipeline, so every rank counts loss and accuracy (and the
+NaN guard reads them) as a data-parallel process does, summed over its stage's replicas. Gradient clipping
+takes the global norm over the stages (one all-reduce in the pipeline). Evaluation runs the forward passes
+through the same stages, one microbatch a batch, each replica its share. Every rank takes part in the stop vote.
 
-Not built yet: replicas of a pipeline (data parallel across pipelines), tensor parallel, resharding a
-checkpoint onto another number of stages, resuming, a ``train_step`` of the user's.
+Checkpoints hold the whole model and the optimiser state as one process writes them (gathered through each
+pipeline, parameters keyed by name and numbered as one process's groups number them), so a run saved on N stages
+resumes on one process, on other stages or replicas, or under FSDP, and the reverse (``distributed.pipeline``:
+``gather_state``, ``stage_optimizer_state``). Batch norm sees microbatch statistics.
+
+Not built yet: tensor parallel, FSDP inside a stage, fp16's loss scaler, a ``train_step`` of the user's.
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ import time
 import torch
 import torch.distributed as tdist
 
+from brickyard.data.loaders import device_batches
 from brickyard.distributed import pipeline as pp
-from brickyard.distributed.gradsync import GradSync
-from brickyard.errors import CheckpointError, ConfigError
+from brickyard.distributed.gradsync import FlatGrads, GradSync
+from brickyard.errors import ConfigError
 from brickyard.training.run import StepResult
 from brickyard.training.step import apply_update
 from brickyard.training.ways.base import Way
@@ -38,58 +42,86 @@ class PipelineWay(Way):
     sharded = True       # saving gathers the stages and evaluating runs through them: every rank takes part
     keeps_layout = False
 
-    def __init__(self, cfg, info):
-        super().__init__(cfg, info)
+    def __init__(self, cfg, info, groups=None):
+        super().__init__(cfg, info, groups)
         self.p = cfg.dist.pipeline
+        self.replicas = max(1, info.world_size // self.p.stages)
+        self.stage_index, self.replica = divmod(info.rank, self.replicas)
         self.stage = None  # this rank's stage module, once cut
+        self.whole: torch.nn.Module | None = None
         self.names: dict[str, str] = {}
         self.order: list[str] = []
+        self.opt_groups: pp.Groups | None = None
         self.schedules: dict[tuple[int, bool], object] = {}
+        self.peers, self.pipe = groups or (None, None)  # its stage's replicas, and this rank's pipeline
         self.n_global = 1
         self.loss_sum = None
         self.device = torch.device("cpu")
 
     @property
     def readers(self) -> int:
-        return 1  # one pipeline reads the whole global batch
+        return self.replicas  # each pipeline reads its share of the global batch
+
+    @property
+    def reader_index(self) -> int:
+        return self.replica
 
     def check(self, model, resume):
         pp.cuts(model, self.p.stages, self.p.split)
-        if self.info.world_size != self.p.stages:
-            raise ConfigError(f"dist.pipeline.stages: {self.p.stages} runs one process a stage and this job has "
-                              f"{self.info.world_size}; replicas of a pipeline are not built yet.")
-        if resume:
-            raise ConfigError("dist.pipeline.stages: resuming a pipeline run is not built yet; start it afresh in a "
-                              "new run directory.")
+        world = self.info.world_size
+        if world % self.p.stages:
+            raise ConfigError(f"dist.pipeline.stages: {self.p.stages} does not divide the job's {world} processes; a "
+                              f"job runs whole pipelines (processes = stages x replicas).")
         if self.cfg.train.precision == "fp16":
             raise ConfigError("train.precision: fp16 needs the loss scaler, which the pipeline's schedule does not "
                               "apply to its microbatches yet; use bf16 or fp32 with dist.pipeline.stages.")
-        if self.cfg.train.max_time_s:
-            raise ConfigError("train.max_time_s stops each pipeline stage by its own clock, and the stages do not "
-                              "agree on a stop yet; leave it 0 with dist.pipeline.stages.")
+        if self.cfg.data.global_batch_size:  # shared by the pipelines (data.batch_size: the config checks it)
+            self.check_microbatches(self.cfg.data)
+
+    def check_microbatches(self, d) -> None:
+        m = self.p.microbatch_count()
+        bad = sorted({b for b in device_batches(d, self.cfg.train.grad_accum, self.replicas) if b % m})
+        if bad:
+            over = f" over {self.replicas} pipelines" if self.replicas > 1 else ""
+            raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch of {bad[0]} "
+                              f"(data.global_batch_size: {d.global_batch_size}{over}); choose a divisor of it.")
 
     def groups(self):
-        """Each rank in a group of its own: every rank counts the same logits, so nothing is summed across them."""
+        """(the stage's replicas, over which metrics are summed; this rank's pipeline, the way's own messages). Every
+        rank makes every group, in the same order (``new_group`` is collective)."""
         if not self.info.distributed:
             return None, None
-        own = [tdist.new_group([r]) for r in range(self.info.world_size)]  # collective: every rank, in order
-        return own[self.info.rank], None
+        s, r = self.p.stages, self.replicas
+        pipes = [tdist.new_group([k + r * i for i in range(s)]) for k in range(r)]
+        peers = [tdist.new_group([r * i + k for k in range(r)]) for i in range(s)]
+        return peers[self.stage_index], pipes[self.replica]
+
+    def vote_group(self, readers_group):
+        return None  # every rank: the stages of a pipeline stop at the same step
 
     def shard(self, model, host, log):
         """This rank's stage of ``model``: the module the optimiser and the run see."""
         starts = pp.cuts(model, self.p.stages, self.p.split)
         parts = pp.pieces(model)
-        i = self.info.rank
-        self.stage = pp.stage_module(model, starts, i)
+        i = self.stage_index
+        self.whole, self.stage = model, pp.stage_module(model, starts, i)
         self.names, self.order = pp.own_names(model, self.stage), list(model.state_dict())
         self.device = host.device
         held, total = sum(p.numel() for p in self.stage.parameters()), sum(p.numel() for p in model.parameters())
         end = starts[i + 1] if i + 1 < len(starts) else len(parts)
         how = "at dist.pipeline.split" if self.p.split else "balanced by parameter count"
-        log.info(f"pipeline: stage {i} of {self.p.stages} ({how}) holds {parts[starts[i]][0]}..{parts[end - 1][0]}: "
-                 f"{held} of {total} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
+        place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
+        log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
+                 f"{held:,} of {total:,} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
                  f"{self.p.schedule}; batch norm, if any, sees microbatch statistics")
         return self.stage
+
+    def held_groups(self, groups, module):
+        cut, self.opt_groups = pp.held_groups(groups, module)
+        return cut
+
+    def whole_model(self, model):
+        return self.whole if self.whole is not None else model
 
     def _schedule(self, n: int, train: bool):
         """A stage and schedule for batches of ``n`` (torch's stages fix their shapes at the first step)."""
@@ -100,20 +132,20 @@ class PipelineWay(Way):
                 m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-            stage = PipelineStage(self.stage, self.info.rank, self.p.stages, self.device)
+            stage = PipelineStage(self.stage, self.stage_index, self.p.stages, self.device, group=self.pipe)
             kind = Schedule1F1B if self.p.schedule == "1f1b" and m >= self.p.stages else ScheduleGPipe
             self.schedules[key] = kind(stage, m, loss_fn=self._loss if train else None, scale_grads=False)
         return self.schedules[key]
 
     def _loss(self, out, y):
-        return self.loss_sum(out, y) / self.n_global
+        return self.loss_sum(out, y) * self.replicas / self.n_global  # averaged over the replicas: the global mean
 
     def forward_all(self, x: torch.Tensor | None, n: int, train: bool, y=None, losses=None):
         """Through the stages (inputs on the first, targets on the last); the logits on every rank."""
         sched = self._schedule(n, train)
-        first, last = self.info.rank == 0, self.info.rank == self.p.stages - 1
+        first, last = self.stage_index == 0, self.stage_index == self.p.stages - 1
         out = sched.step(*((x,) if first else ()), target=y if last and train else None, losses=losses)
-        return pp.broadcast_from_last(out if last else None, n, self.device)
+        return pp.broadcast_from_last(out if last else None, n, self.device, self.pipe)
 
     def step_function(self):
         return self.step
@@ -128,37 +160,39 @@ class PipelineWay(Way):
         self.loss_sum, self.n_global = trainer.losses.train, n_global
         losses: list = []
         out = self.forward_all(x, len(y), True, y, losses)
-        part = torch.stack([torch.stack(losses).sum() * n_global] if losses else [torch.zeros((), device=run.device)])
-        loss_sum = pp.broadcast_from_last(part if self.info.rank == self.p.stages - 1 else None, 1, run.device)[0]
+        last = self.stage_index == self.p.stages - 1
+        part = torch.stack([torch.stack(losses).sum() * n_global / self.replicas] if losses
+                           else [torch.zeros((), device=run.device)])
+        loss_sum = pp.broadcast_from_last(part if last else None, 1, run.device, self.pipe)[0]
         if trainer.check_each_step and not torch.isfinite(loss_sum):
             trainer.guard.raise_for(run, x, y)
         trainer.meter.totals.add(loss_sum, out, y)
+        trainer.grad_sync()  # the stage's replicas: their gradients averaged
         apply_update(trainer, loss_sum, (x, y, n_global), self._clip)
-        return StepResult(loss_sum / len(y), (x, y), len(y), data_wait)
+        return StepResult(loss_sum / len(y), (x, y), len(y) * self.replicas, data_wait)
 
     def _clip(self, optimizer, max_norm: float) -> None:
-        """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce)."""
+        """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce in the pipeline)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
-        tdist.all_reduce(sq)
+        tdist.all_reduce(sq, group=self.pipe)
         coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
 
     def grad_sync(self, model, device, group, own_cores):
-        return _Forward(self, model), GradSync()
+        sync = FlatGrads(model, self.peers, spin=own_cores) if self.replicas > 1 else GradSync()
+        return _Forward(self, model), sync
 
     def full_state(self, model, optimizer):
-        return pp.gather_state(model, self.names, self.order, optimizer)
+        assert self.opt_groups is not None  # set with the trainer's optimiser groups
+        return pp.gather_state(model, self.names, self.order, optimizer, self.opt_groups, self.pipe)
 
     def load_state(self, model, optimizer, state) -> None:
-        own = {k: v for k, v in state["model"].items()}
+        assert self.opt_groups is not None
+        own = state["model"]
         model.load_state_dict({k: own[v] for k, v in self.names.items()})
-        stages = state["optimizer"].get("stages")
-        if not isinstance(stages, list) or len(stages) != self.p.stages:
-            raise CheckpointError(f"the checkpoint's optimiser state is not that of {self.p.stages} pipeline stages "
-                                  f"(resharding onto another number of stages is not built yet).")
-        optimizer.load_state_dict(stages[self.info.rank])
+        optimizer.load_state_dict(pp.stage_optimizer_state(state["optimizer"], self.opt_groups))
 
     def capture_refusal(self):
         return "dist.pipeline.stages sends activations between the stages, which is not captured"
