@@ -4,17 +4,24 @@ they refuse, in-process.
 Pinned as the FSDP tests are: fp32, one thread per process, deterministic algorithms, plain SGD at a constant
 rate. ViT-Tiny on 14-pixel images of one patch (2 tokens with the class token) in global batches of 32.
 """
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
+from brickyard.api import build_model
 from brickyard.config import load_config
+from brickyard.data import build_data
 from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
-from brickyard.training import checkpoint, ways
+from brickyard.training import checkpoint, memory, ways
 from conftest import SYNTH, run_cli, sets
 
 VIT = SYNTH + ["train.deterministic=true", "optim.name=momentum", "optim.weight_decay=0", "schedule.name=constant",
@@ -70,6 +77,12 @@ def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_p
         held[rank], total = int(line[3].replace(",", "")), int(line[4].replace(",", ""))
     assert held[0] + held[1] == total == sum(v.numel() for k, v in a["model"].items() if "running" not in k)
     assert all(0.45 * total < h < 0.55 * total for h in held.values()), held
+    # `brickyard memory`'s count of each stage's parameters is what each rank held
+    cfg = load_config("mnist", VIT + ["dist.pipeline.stages=2"])
+    data = build_data(cfg.data)
+    est = memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu"), 2, compare=False)
+    assert [st["parameters"] for st in est["stages"]] == [4 * held[0], 4 * held[1]]
+    assert all(st["in_flight"] == 4 and st["activations_per_microbatch"] > 0 for st in est["stages"])
     back = _moved(two, 10, tmp_path / "back")  # 2 stages -> 1 process
     _train(back, "dist.pipeline.stages=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
@@ -151,3 +164,28 @@ def test_what_a_pipeline_layout_cannot_do_is_one_sentence_before_anything_runs(w
     cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.pipeline.split=[2]", *items])
     with pytest.raises(ConfigError, match=re.escape(sentence)):
         ways.choose(cfg, DistInfo(world_size=world)).check(_seq(3), None)
+
+
+def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoint(tmp_path):
+    """The stop vote spans the pipeline: a signal to the last stage alone (as a scheduler may send it) stops the
+    first stage at the same step, one checkpoint is written, and the run ends as any stopped run does."""
+    run = tmp_path / "run"
+    args = ["train", *sets(*VIT, "train.max_steps=0", "train.epochs=50", "train.log_every=1", "dist.pipeline.stages=2"),
+            "--devices", "cpu:2", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()
+                                          and metrics.read_text().count('"train"') >= 3):
+        time.sleep(0.05)
+    os.kill(int(re.search(r"pid (\d+)", log1.read_text()).group(1)), signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.",
+                     err.strip())
+    assert m, err
+    step = int(m.group(1))
+    assert step % 10 == 0 and checkpoint.load(m.group(2))["step"] == step
+    assert f"SIGTERM at step {step}: saved a checkpoint;" in log1.read_text()
+    assert f"SIGTERM to rank 1 at step {step}: saved a checkpoint" in (run / "logs" / "workerlog.0").read_text()  # stage 0 agreed

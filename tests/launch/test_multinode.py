@@ -63,22 +63,27 @@ def _node(h, i, run, nnodes, extra=(), devices="cpu:1", config=SAME, rank=True):
     return h.popen(i, argv + (["--node-rank", str(i)] if rank else []))
 
 
-def test_two_hosts_train_what_one_process_trains(hosts, one, tmp_path):
-    """Two processes a host: global ranks across hosts and local ranks within each. Two hosts of one process each
-    train the reference's weights in the Slurm, elastic, killed-node and resumed-on-one-node tests below."""
+def test_two_hosts_run_the_stages_of_a_pipeline_and_train_what_one_process_trains(hosts, one, tmp_path):
+    """Two processes a host, as 2 pipeline stages x 2 replicas: global ranks across hosts, local ranks within
+    each, stage 0 on the first host and stage 1 on the second (the pipeline outermost), the activations crossing
+    between the hosts and each stage's replicas all-reducing on their own. Two hosts of one process each train the
+    reference's weights with data parallel in the Slurm, elastic, killed-node and resumed-on-one-node tests below."""
     nproc = 2
     h = hosts(2)
     run = tmp_path / "run"
-    second = _node(h, 1, run, 2, devices=f"cpu:{nproc}")  # the node that does not host the store starts first
+    staged = SAME + ["dist.pipeline.stages=2"]
+    second = _node(h, 1, run, 2, devices=f"cpu:{nproc}", config=staged)  # the node that does not host the store starts first
     time.sleep(3)
-    first = _node(h, 0, run, 2, devices=f"cpu:{nproc}")
+    first = _node(h, 0, run, 2, devices=f"cpu:{nproc}", config=staged)
     (rc0, out0, err0), (rc1, _, err1) = h.wait(first), h.wait(second)
     assert rc0 == 0 and rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     world = 2 * nproc
-    assert f"global batch 48 ({48 // world} per device x {world} x 1 accumulation)" in out0 + (run / "train.log").read_text()
+    assert "global batch 48 (24 per device x 2 x 1 accumulation)" in out0 + (run / "train.log").read_text()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == world and summary["steps"] == 12
+    assert summary["world_size"] == world and summary["steps"] == 12 and summary["strategy"] == "pipeline"
     assert _diff(_final(one), _final(run)) < ACROSS_ORDERS
+    for node, rank, place in ((0, 1, "stage 0 of 2, replica 1 of 2"), (1, 2, "stage 1 of 2, replica 0 of 2")):
+        assert f"rank {rank} is {place}" in (run / f"logs-node{node}" / f"workerlog.{rank}").read_text()
     # one log per worker, each on the node that ran it; checkpoints and metrics once (global rank 0)
     logs = {i: sorted(p.name for p in (run / f"logs-node{i}").iterdir()) for i in range(2)}
     assert sorted(logs[0] + logs[1]) == [f"workerlog.{r}" for r in range(world)]

@@ -8,6 +8,7 @@ import torch
 from brickyard.callbacks.base import Callback
 from brickyard.distributed.fsdp import full, like
 from brickyard.errors import CheckpointError, ConfigError
+from brickyard.optim.optimizers import by_type
 
 
 class EMA(Callback):
@@ -29,13 +30,15 @@ class EMA(Callback):
             raise CheckpointError("EMA: the averaged weights saved in the checkpoint do not fit this model.")
         self.avg = ([t.detach().clone() for t in self.live] if self.avg is None
                     else [like(a, t) for a, t in zip(self.avg, self.live)])
-        self.floats = [(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()]
+        # (average, weight) pairs by the type of tensor, one foreach op each: tensor parallel trains DTensors beside plain tensors
+        self.floats = by_type([(a, w) for a, w in zip(self.avg, self.live) if a.is_floating_point()], key=lambda aw: aw[0])
         self.counters = [(a, w) for a, w in zip(self.avg, self.live) if not a.is_floating_point()]  # num_batches_tracked
         run.use_eval_weights(self.applied)
 
     def on_step_end(self, run, loss):
         with torch.no_grad():
-            torch._foreach_lerp_([a for a, _ in self.floats], [w for _, w in self.floats], 1.0 - self.decay)
+            for pairs in self.floats:
+                torch._foreach_lerp_([a for a, _ in pairs], [w for _, w in pairs], 1.0 - self.decay)
             _copy([a for a, _ in self.counters], [w for _, w in self.counters])
 
     def on_loop_end(self, run):

@@ -187,7 +187,7 @@ def load_config(source: str | None = None, overrides: list[str] | tuple = (), _c
 MAY_CHANGE_ON_RESUME = ("train.epochs", "train.max_steps", "train.stop_epoch", "train.max_time_s", "train.progress", "train.log_every",
                         "train.eval_every", "train.plots", "train.tensorboard", "train.histograms_every", "train.watch",
                         "train.watch_every", "train.device", "train.threads", "train.tune_allocator", "train.csv_log",
-                        "checkpoint.", "dist.timeout_s", "dist.strategy", "dist.fsdp.", "dist.pipeline.", "dist.grad_sync", "dist.backend",
+                        "checkpoint.", "dist.timeout_s", "dist.strategy", "dist.fsdp.", "dist.pipeline.", "dist.tensor_parallel", "dist.grad_sync", "dist.backend",
                         "train.activation_checkpointing", "data.num_workers", "data.prefetch", "data.pin_memory", "data.eval_limit", "preset")
 
 

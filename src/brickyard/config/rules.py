@@ -116,3 +116,22 @@ def pipeline_alone(dist, boost, train, data) -> None:
     if isinstance(data.batch_size, int) and not data.global_batch_size and data.batch_size % m:
         raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch (data.batch_size: "
                           f"{data.batch_size}); choose a divisor of it.")
+
+
+@across("dist", "boost", "train", "optim")
+def tensor_parallel_alone(dist, boost, train, optim) -> None:
+    """What ``dist.tensor_parallel`` above 1 does not combine with (yet, or at all)."""
+    if dist.tensor_parallel == 1:
+        return
+    other = [key for on, key in (
+        (dist.mode == "ps", "dist.mode: ps (the servers hold the whole model)"),
+        (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
+        (dist.strategy == "fsdp", "dist.strategy: fsdp (FSDP around tensor-parallel groups is not built yet)"),
+        (dist.pipeline.stages > 1, f"dist.pipeline.stages: {dist.pipeline.stages} (tensor parallel inside a stage is not built yet)"),
+        (dist.grad_sync != "auto", f"dist.grad_sync: {dist.grad_sync} (the split layers sync inside their passes; nothing follows)"),
+        (dist.sync_bn, "dist.sync_bn (every rank normalises the same whole batch already)"),
+        (bool(train.watch) or bool(train.histograms_every), "train.watch and train.histograms_every (they read whole weights)"),
+        (bool(optim.l1), "optim.l1 (its penalty sums whole weights)"),
+    ) if on]
+    if other:
+        raise ConfigError(f"dist.tensor_parallel: {dist.tensor_parallel} does not combine with {other[0]}.")

@@ -301,9 +301,9 @@ class DistConfig(Section):
     scale_lr: str = _opt("none", choices=("none", "linear"))
     scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
     timeout_s: int = _opt(300, min=1, max=7 * 86400, doc="seconds a rank waits for the others (joining, a collective) before the job ends")
-    grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"),
-                          doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
+    grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"), doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
     sync_bn: bool = _opt(False, doc="batch norm over the global batch (torch's SyncBatchNorm; GPUs only)")
+    tensor_parallel: int = _opt(1, min=1, doc="processes each layer's work is split across (Megatron-style column then row parallel linear layers, torch.distributed.tensor.parallel); 1: off; docs/distributed.md")
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

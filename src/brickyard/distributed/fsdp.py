@@ -79,24 +79,24 @@ def _loaded(module: str, name: str):
     return getattr(mod, name, None) if mod is not None else None
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
     dtensor = _loaded("torch.distributed.tensor", "DTensor")
     return dtensor is not None and isinstance(t, dtensor)
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def full(t):
     """The whole tensor of a shard (an all-gather: every rank calls it), or ``t`` itself."""
-    return t.full_tensor() if _is_dtensor(t) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def like(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``value`` (a full tensor) laid out as ``ref``: this rank's shard when ``ref`` is sharded (taken
     locally: every rank holds the full value), else ``value`` on ``ref``'s device."""
-    if _is_dtensor(ref):
+    if is_dtensor(ref):
         from torch.distributed.tensor import distribute_tensor  # loaded already: ref is a DTensor
         return distribute_tensor(value.to(ref.device, ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
     return value.to(ref.device)
@@ -134,7 +134,7 @@ def local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            local = t.to_local() if _is_dtensor(t) else t
+            local = t.to_local() if is_dtensor(t) else t
             total += local.numel() * local.element_size()
     return total
 

@@ -19,6 +19,7 @@ block boundaries allow), not by measured time or memory; ``dist.pipeline.split``
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -203,3 +204,37 @@ def broadcast_from_last(t: torch.Tensor | None, n: int, device: torch.device, gr
         tuple(shape[1:1 + int(shape[0])].tolist()), device=device)
     tdist.broadcast(out, last, group=group)
     return out
+
+
+class StageClock:
+    """How long this rank's stage computes in each step against the step's wall time: what is left is waiting
+    for the other stages (the pipeline's fill and drain, the bubble, and the sends). ``timed`` wraps the stage's
+    ``forward_one_chunk`` and ``backward_one_chunk``, the two calls torch's schedules make for a microbatch's
+    compute (``torch/distributed/pipelining/schedules.py``, ``ScheduleGPipe._step_microbatches`` and
+    ``Schedule1F1B._step_microbatches``); the first ``warmup`` steps (shapes inferred, buffers made) are not
+    counted."""
+
+    def __init__(self, warmup: int = 2):
+        self.warmup, self.steps, self.busy, self.wall = warmup, 0, 0.0, 0.0
+        self._busy_now = 0.0
+
+    def timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._busy_now += time.perf_counter() - start
+        return run
+
+    def step(self, wall: float) -> None:
+        if self.warmup:
+            self.warmup -= 1
+        else:
+            self.steps, self.busy, self.wall = self.steps + 1, self.busy + self._busy_now, self.wall + wall
+        self._busy_now = 0.0
+
+    def row(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "busy_ms": round(1e3 * self.busy / n, 3), "step_ms": round(1e3 * self.wall / n, 3),
+                "idle": round(1 - self.busy / self.wall, 4) if self.wall else None}

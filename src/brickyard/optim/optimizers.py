@@ -28,16 +28,17 @@ def build_optimizer(cfg, params):
         g.setdefault("lr_mult", 1.0)
         g["lr"] = cfg.lr * g["lr_mult"]
     wd, name = cfg.weight_decay, cfg.name
-    if _on_cuda(groups) and name in ("sgd", "momentum", "nesterov", "adam", "adamw"):
+    mixed = len({type(p) for g in groups for p in g["params"]}) > 1  # tensor parallel: DTensors and plain tensors
+    if _on_cuda(groups) and not mixed and name in ("sgd", "momentum", "nesterov", "adam", "adamw"):
         return _torch_fused(cfg, groups)
     if name == "sgd":
         return SGD(groups, lr=cfg.lr, weight_decay=wd)
     if name in ("momentum", "nesterov"):
         return SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=name == "nesterov", weight_decay=wd)
     if name == "adagrad":
-        return torch.optim.Adagrad(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps)
+        return torch.optim.Adagrad(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps, **({"foreach": False} if mixed else {}))
     if name == "adadelta":
-        return torch.optim.Adadelta(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps)
+        return torch.optim.Adadelta(groups, lr=cfg.lr, weight_decay=wd, eps=cfg.eps, **({"foreach": False} if mixed else {}))
     if len(cfg.betas) != 2:
         raise ConfigError(f"optim.betas: {list(cfg.betas)} must be two numbers, e.g. [0.9, 0.999].")
     return Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=wd, decoupled=name == "adamw")
@@ -94,8 +95,7 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for g in self.param_groups:
-            params = [p for p in g["params"] if p.grad is not None]
-            if params:
+            for params in by_type([p for p in g["params"] if p.grad is not None]):
                 self._update(g, params, [p.grad for p in params])
         return loss
 
@@ -113,6 +113,16 @@ class Optimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in s.items() if k != "params"})
         self.state = collections.defaultdict(dict, {params[int(i)]: {k: _like(v, params[int(i)], k) for k, v in s.items()}
                                                     for i, s in state["state"].items()})
+
+
+def by_type(items: list, key=lambda t: t) -> list[list]:
+    """``items`` in groups whose tensors (``key(item)``) are of one type, in their order (none: no group). One
+    foreach op takes DTensors or plain tensors, not both ("got mixed torch.Tensor and DTensor"), and tensor
+    parallel trains a model of both."""
+    kinds: dict[type, list] = {}
+    for item in items:
+        kinds.setdefault(type(key(item)), []).append(item)
+    return list(kinds.values())
 
 
 def _like(value, param, key):

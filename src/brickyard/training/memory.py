@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from brickyard import models
 from brickyard.data.augment import DevicePrep
-from brickyard.data.loaders import device_batches
+from brickyard.data.loaders import device_batches, readers_of
 from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.metrics import fmt
@@ -108,7 +108,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
     channels_last = dev.resolve_channels_last(cfg.train.channels_last, cfg.train.precision, device)
     # as training resolves it here: auto measured on a CPU with native bf16 (the report; recalled once a run
     # has measured), by the rule where nothing is known yet of the batch (batch_size: auto, an error's tips)
-    batch = device_batch(cfg, world_size)
+    batch = device_batch(cfg, max(1, readers_of(cfg, world_size)))  # a pipeline's stages share one batch
     precision = for_model(cfg.train.precision, model, data, batch, device, channels_last) if compare and batch > 1 \
         else dev.resolve_precision(cfg.train.precision, device)
     params = list(model.parameters())
@@ -159,7 +159,50 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         "strategy": ("fsdp + offload" if offload else "fsdp") if fsdp else "ddp", "sharded": sharded,
         "gathered": gathered, "whole": param_b + grad_b + state_b, "data_fixed": data_b, "sample_buffers": 12 * sample_b,
         "host_offloaded": sum(sharded.values()) if offload else 0,
+        "stages": stage_estimates(cfg, m, data, precision, batch),
     }
+
+
+def stage_estimates(cfg, model, data, precision: str, batch: int) -> list[dict] | None:
+    """Per pipeline stage (``dist.pipeline.stages`` above 1), what each of its ranks holds: the stage's parameters,
+    gradients and optimiser state, counted, and its activations, measured on one microbatch (the inputs it
+    receives made by the stages before it) times the microbatches in flight at once: all of them under GPipe
+    (every forward before the first backward), at most ``stages - i`` on stage i under 1F1B."""
+    p = cfg.dist.pipeline
+    if p.stages < 2:
+        return None
+    from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
+    starts, m = pp.cuts(model, p.stages, p.split), p.microbatch_count()
+    x = torch.randn(max(1, batch // m), data.in_channels, *data.image_size)
+    copies, out = STATE_COPIES[cfg.optim.name], []
+    for i in range(p.stages):
+        stage = pp.stage_module(model, starts, i).train()
+        params = sum(q.numel() * q.element_size() for q in stage.parameters())
+        grads = sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad)
+        x = x.detach().requires_grad_(i > 0)
+        act, y = _saved_bytes(stage, x, precision)
+        flight = min(m, p.stages - i) if p.schedule == "1f1b" and m >= p.stages else m
+        out.append({"stage": i, "parameters": params, "gradients": grads, "optimizer_state": copies * grads,
+                    "activations_per_microbatch": act, "in_flight": flight,
+                    "total": params + grads + copies * grads + act * flight})
+        x = y
+    return out
+
+
+def _saved_bytes(module, x: torch.Tensor, precision: str) -> tuple[int, torch.Tensor]:
+    """(bytes autograd saves in ``module``'s forward of ``x``, beside its parameters; the output)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    own = {q.untyped_storage().data_ptr() for q in module.parameters()} | {x.untyped_storage().data_ptr()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dev.autocast(torch.device("cpu"), precision):
+        y = module(x)
+    y.float().sum().backward()
+    module.zero_grad(set_to_none=True)
+    return sum(v for k, v in seen.items() if k not in own), y.detach().float()
 
 
 def strategies(est: dict) -> list[tuple[str, float, float]]:
@@ -209,6 +252,11 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
                      f"({fmt(ac['without_fixed'] + ac['without_per_sample'] * est['batch'])} at this batch)")
         if device_memory:
             lines.append(f"  largest batch that fits without checkpointing: {largest_batch(without, device_memory):,}")
+    for st in est.get("stages") or ():
+        lines.append(f"  pipeline stage {st['stage']}: parameters {fmt(st['parameters'])}, gradients "
+                     f"{fmt(st['gradients'])}, optimiser state {fmt(st['optimizer_state'])}, activations "
+                     f"{fmt(st['activations_per_microbatch'])} x {st['in_flight']} microbatches in flight: "
+                     f"{fmt(st['total'])} a rank")
     if est["loader_host_buffers"]:
         lines.append(f"  {'(host) streaming loader buffers':<38} {fmt(est['loader_host_buffers']):>14}")
     if device_memory:

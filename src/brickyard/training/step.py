@@ -223,7 +223,7 @@ def optimizer_step(trainer, batches) -> StepResult:
         trainer.meter.totals.add(loss_sum, out, y)
         images += len(y) * readers
     trainer.grad_sync()
-    apply_update(trainer, loss_sum, batch, _clip_local)
+    apply_update(trainer, loss_sum, batch, trainer.way.clip)
     return StepResult(loss_sum / len(y), (x, y), images, data_wait)
 
 
@@ -243,10 +243,6 @@ def apply_update(trainer, loss_sum: torch.Tensor, batch, clip) -> None:
         clip(run.optimizer, max_norm)
     trainer.update(run, loss_sum, batch)
     trainer.grad_sync.zero_grad(run.optimizer)
-
-
-def _clip_local(optimizer, max_norm: float) -> None:
-    nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm)
 
 
 def _call_step(ctx: StepContext, fn, x, y, cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -4,23 +4,25 @@ training package asks which one is running (``tests/test_layout.py``; config rul
 them, as does ``ReduceLROnPlateau``'s check that the parameter servers, which apply the schedule, see no
 validations).
 
-=================  ==========================================  =====================================
-name               selected by                                 what each rank holds and does
-=================  ==========================================  =====================================
-``collective``     ``dist.mode: collective`` (the default)     the whole model; gradients all-reduced
-                                                                (one flat buffer or DDP)
-``fsdp``           ``dist.strategy: fsdp``                     1/N of the parameters, gradients and
-                                                                optimiser state (torch's ``fully_shard``)
-``ps``             ``dist.mode: ps``                           trainers push gradients to servers that
-                                                                hold the parameters and the optimiser
-``dim_reduce``     ``boost.dim_reduce.enabled``                P-BFGS in a subspace of the weights
-                                                                instead of the optimiser
-``pipeline``       ``dist.pipeline.stages`` above 1            one stage of the model and its optimiser
-                                                                state (torch's ``pipelining``)
-=================  ==========================================  =====================================
+===================  ==========================================  =========================================
+name                 selected by                                 what each rank holds and does
+===================  ==========================================  =========================================
+``collective``       ``dist.mode: collective`` (the default)     the whole model; gradients all-reduced
+                                                                 (one flat buffer or DDP)
+``fsdp``             ``dist.strategy: fsdp``                     1/N of the parameters, gradients and
+                                                                 optimiser state (torch's ``fully_shard``)
+``ps``               ``dist.mode: ps``                           trainers push gradients to servers that
+                                                                 hold the parameters and the optimiser
+``dim_reduce``       ``boost.dim_reduce.enabled``                P-BFGS in a subspace of the weights
+                                                                 instead of the optimiser
+``pipeline``         ``dist.pipeline.stages`` above 1            one stage of the model and its optimiser
+                                                                 state (torch's ``pipelining``)
+``tensor_parallel``  ``dist.tensor_parallel`` above 1            1/N of each layer it splits (MLPs, the
+                                                                 classifier, attention heads); whole batch
+===================  ==========================================  =========================================
 
-A new way (tensor parallel) is a module here with a ``Way`` subclass, one entry in
-``WAYS`` and one line in ``name_of``; the trainer (``training.trainer``) calls only the interface.
+A new way is a module here with a ``Way`` subclass, one entry in ``WAYS`` and one line in ``name_of``; the
+trainer (``training.trainer``) calls only the interface.
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ from brickyard.training.ways.dim_reduce import DimReduceWay
 from brickyard.training.ways.fsdp import FSDPWay
 from brickyard.training.ways.parameter_server import ParameterServer
 from brickyard.training.ways.pipeline import PipelineWay
+from brickyard.training.ways.tensor_parallel import TensorParallelWay
 
 __all__ = ["WAYS", "Way", "choose", "name_of"]
 
 WAYS: dict[str, type[Way]] = {"collective": Collective, "fsdp": FSDPWay, "ps": ParameterServer,
-                              "dim_reduce": DimReduceWay, "pipeline": PipelineWay}
+                              "dim_reduce": DimReduceWay, "pipeline": PipelineWay, "tensor_parallel": TensorParallelWay}
 
 
 def name_of(cfg) -> str:
@@ -45,6 +48,8 @@ def name_of(cfg) -> str:
         return "dim_reduce"
     if cfg.dist.pipeline.stages > 1:
         return "pipeline"
+    if cfg.dist.tensor_parallel > 1:
+        return "tensor_parallel"
     return "fsdp" if cfg.dist.strategy == "fsdp" else "collective"
 
 

@@ -78,6 +78,11 @@ class Way:
         """(the model to call, how the ranks' gradients meet)."""
         return model, GradSync()
 
+    def clip(self, optimizer, max_norm: float) -> None:
+        """Scale the gradients to a norm of at most ``max_norm`` over the whole model (``train.grad_clip``; after
+        the loss scaler's unscale)."""
+        nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm)
+
     def step_function(self):
         """This way's own optimiser step, ``step(trainer, batches) -> StepResult`` (``training.step.optimizer_step``'s
         contract), or None: the trainer's."""

@@ -3,9 +3,11 @@ process holding one stage's parameters and optimiser state only; torch's ``Pipel
 ``ScheduleGPipe`` / ``Schedule1F1B`` run the microbatches (``distributed.pipeline`` says how the model is cut
 and cites torch's and torchtitan's sources).
 
-Layout: a job of ``world`` processes is ``world / N`` pipelines (replicas) of N stages, as torchtitan's mesh
-puts pipeline stages outermost (``ParallelDims``: "pp" before "dp"): rank r runs stage ``r // replicas`` of
-replica ``r % replicas``. Each replica reads its share of the recipe's global batch, as data-parallel
+Layout: a job of ``world`` processes is ``world / N`` pipelines (replicas) of N stages, the pipeline dimension
+outermost as torchtitan builds its mesh (``torchtitan/distributed/parallel_dims.py``,
+``ParallelDims._build_mesh_without_ep``: dims in the order pp, dp_replicate, dp_shard, cp, tp): rank r runs stage
+``r // replicas`` of replica ``r % replicas``, so the stages of a pipeline sit on different machines of a
+multi-node job and a stage's replicas, which all-reduce its gradients each step, side by side. Each replica reads its share of the recipe's global batch, as data-parallel
 processes do, so the learning rate, schedule and data order are those of one process; the first stage takes the
 inputs, the last the targets and the loss, each microbatch's loss weighted so that the gradient, averaged over
 the replicas of a stage (one flat all-reduce in the stage's replica group), is the global batch's mean. The
@@ -28,6 +30,7 @@ import time
 import torch
 import torch.distributed as tdist
 
+from brickyard.callbacks import Callback
 from brickyard.data.loaders import device_batches
 from brickyard.distributed import pipeline as pp
 from brickyard.distributed.gradsync import FlatGrads, GradSync
@@ -57,6 +60,7 @@ class PipelineWay(Way):
         self.n_global = 1
         self.loss_sum = None
         self.device = torch.device("cpu")
+        self.clock = pp.StageClock()
 
     @property
     def readers(self) -> int:
@@ -133,6 +137,9 @@ class PipelineWay(Way):
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
             stage = PipelineStage(self.stage, self.stage_index, self.p.stages, self.device, group=self.pipe)
+            for name in ("forward_one_chunk", "backward_one_chunk") if train else ():
+                if hasattr(stage, name):  # torch's names for a microbatch's compute (distributed.pipeline.StageClock)
+                    setattr(stage, name, self.clock.timed(getattr(stage, name)))
             kind = Schedule1F1B if self.p.schedule == "1f1b" and m >= self.p.stages else ScheduleGPipe
             self.schedules[key] = kind(stage, m, loss_fn=self._loss if train else None, scale_grads=False)
         return self.schedules[key]
@@ -159,7 +166,9 @@ class PipelineWay(Way):
         x, y = trainer.prep.train(x, y, run.step, n_global, offset)
         self.loss_sum, self.n_global = trainer.losses.train, n_global
         losses: list = []
+        start = time.perf_counter()
         out = self.forward_all(x, len(y), True, y, losses)
+        self.clock.step(time.perf_counter() - start)
         last = self.stage_index == self.p.stages - 1
         part = torch.stack([torch.stack(losses).sum() * n_global / self.replicas] if losses
                            else [torch.zeros((), device=run.device)])
@@ -194,6 +203,9 @@ class PipelineWay(Way):
         model.load_state_dict({k: own[v] for k, v in self.names.items()})
         optimizer.load_state_dict(pp.stage_optimizer_state(state["optimizer"], self.opt_groups))
 
+    def callbacks(self, run, update, writer):
+        return [_StageTimes(self)]
+
     def capture_refusal(self):
         return "dist.pipeline.stages sends activations between the stages, which is not captured"
 
@@ -211,3 +223,21 @@ class _Forward(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.way.forward_all(x, len(x), False)
 
+
+
+class _StageTimes(Callback):
+    """Each rank's stage time against its step time, in its log and (gathered) in the summary's ``pipeline``."""
+
+    def __init__(self, way: PipelineWay):
+        self.way = way
+
+    def summary(self, run) -> dict:
+        w = self.way
+        row = {"stage": w.stage_index, "replica": w.replica, **w.clock.row()}
+        if row["idle"] is not None:
+            run.log.info(f"pipeline: stage {w.stage_index} computed {row['busy_ms']:.1f} ms of each {row['step_ms']:.1f} ms "
+                         f"step ({row['steps']} steps timed): idle {100 * row['idle']:.1f}% (waiting for the other "
+                         f"stages: fill and drain, the sends)")
+        rows: list = [None] * w.info.world_size
+        tdist.all_gather_object(rows, row)  # collective: every rank's summary is made together
+        return {"pipeline": {"schedule": w.p.schedule, "microbatches": w.p.microbatch_count(), "ranks": rows}}

@@ -1,0 +1,112 @@
+"""Pipeline stages against one process: throughput, what each rank holds, and each stage's idle time (the bubble).
+
+Each layout is a real `brickyard train` of the same recipe (the global batch, data order and learning rate of one
+process), run in turn round after round so that a drift of the machine hits every layout; the figures are the
+medians over the rounds. Per layout: images/s of the training loop (the summary's `images_per_second`), the
+parameters and optimiser state rank 0 held (measured from its tensors: the summary's `held_per_rank`), and for
+pipelines each stage's compute time against its step time (`summary.json`'s `pipeline`: what is left is waiting
+for the other stages, the fill and drain of the schedule and the sends). GPipe's and 1F1B's textbook bubble is
+(S - 1) / (M + S - 1) of a step for S stages and M microbatches; the measured idle time adds the sends and any
+imbalance between the stages.
+
+    python benchmarks/pipeline.py                       # ViT-Tiny on 28 px MNIST-shaped data, 2 stages, 3 rounds
+    python benchmarks/pipeline.py --rounds 5 --steps 40 --model vit_tiny --devices cpu:2
+    python benchmarks/pipeline.py --batch-norm --seeds 0 1 --epochs 2   # what microbatch statistics cost
+
+`--batch-norm` measures what a pipeline changes for a model with batch norm, which sees each microbatch's statistics
+instead of the device batch's: the `fashion-lean` preset (batch norm after each convolution) for `--epochs` on one
+process and on 2 stages (4 microbatches of its batch of 128), test accuracy per seed.
+
+On a machine of 2 cores each process gets one thread (train.threads=1, pinned for every layout), so one process
+leaves a core idle: the pipeline's speed-up there is what two cores buy, less the bubble and the sends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECIPE = ["data.name=synthetic", "data.synthetic.num_train=4096", "data.synthetic.num_val=256", "data.synthetic.num_test=256",
+          "data.global_batch_size=64", "train.epochs=1", "train.plots=false", "train.threads=1", "train.precision=fp32",
+          "train.eval_every=0", "checkpoint.every_epoch=false", "train.tensorboard=false", "train.progress=none"]
+
+
+def layouts(stages: int, devices: str) -> list[tuple[str, list[str], str | None]]:
+    """(label, extra settings, --devices) of each layout measured."""
+    out: list[tuple[str, list[str], str | None]] = [("1 process", [], None)]
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8):
+            out.append((f"{stages} stages, {schedule}, {m} microbatches",
+                        [f"dist.pipeline.stages={stages}", f"dist.pipeline.schedule={schedule}", f"dist.pipeline.microbatches={m}"],
+                        devices))
+    return out
+
+
+def run(label: str, extra: list[str], devices: str | None, model: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [a for s in RECIPE + [f"model.name={model}", f"train.max_steps={steps}", *extra] for a in ("--set", s)]
+        cmd = [sys.executable, "-m", "brickyard", "train", "mnist", *sets, "--run-dir", tmp] + (["--devices", devices] if devices else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{label}: {r.stderr[-2000:]}")
+        return json.loads((Path(tmp) / "summary.json").read_text())
+
+
+def batch_norm_cost(seeds: list[int], epochs: int, devices: str) -> None:
+    print(f"fashion-lean, {epochs} epochs, test accuracy: one process (batch-norm statistics of 128 images) against "
+          f"2 stages x 4 microbatches (of 32)")
+    for seed in seeds:
+        row = []
+        for extra, dev in (([], None), (["dist.pipeline.stages=2", "dist.pipeline.microbatches=4"], devices)):
+            with tempfile.TemporaryDirectory() as tmp:
+                sets = [a for s in [f"train.seed={seed}", f"train.epochs={epochs}", "train.plots=false", "train.threads=1",
+                                    "train.precision=fp32", *extra] for a in ("--set", s)]
+                cmd = [sys.executable, "-m", "brickyard", "train", "fashion-lean", *sets, "--run-dir", tmp]
+                r = subprocess.run(cmd + (["--devices", dev] if dev else []), capture_output=True, text=True)
+                if r.returncode:
+                    raise SystemExit(r.stderr[-2000:])
+                row.append(json.loads((Path(tmp) / "summary.json").read_text())["test_accuracy"])
+        print(f"seed {seed}: one process {100 * row[0]:.2f}%, 2 stages {100 * row[1]:.2f}% ({100 * (row[1] - row[0]):+.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="vit_tiny")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--devices", default="cpu:2")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-norm", action="store_true", help="what microbatch statistics cost fashion-lean's accuracy")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--epochs", type=int, default=2)
+    args = ap.parse_args()
+    if args.batch_norm:
+        batch_norm_cost(args.seeds, args.epochs, args.devices)
+        return
+    cases = layouts(args.stages, args.devices)
+    got: dict[str, list[dict]] = {label: [] for label, _, _ in cases}
+    for _ in range(args.rounds):
+        for label, extra, devices in cases:
+            got[label].append(run(label, extra, devices, args.model, args.steps))
+    base = statistics.median(s["images_per_second"] for s in got[cases[0][0]])
+    print(f"{args.model}, global batch 64, {args.steps} steps, {args.rounds} rounds (medians), fp32, one thread a process")
+    print(f"{'layout':<36} {'img/s':>8} {'vs 1':>6} {'rank 0 holds':>13} {'stage idle (textbook)':>24}")
+    for label, _, _ in cases:
+        rows = got[label]
+        ips = statistics.median(s["images_per_second"] for s in rows)
+        held = rows[-1]["held_per_rank"]
+        holds = f"{(held['parameters'] + held['optimizer_state']) / 2**20:.1f} MiB"
+        idle = ""
+        if "pipeline" in rows[-1]:
+            per = [statistics.median(s["pipeline"]["ranks"][r]["idle"] for s in rows) for r in range(len(rows[-1]["pipeline"]["ranks"]))]
+            m, n = rows[-1]["pipeline"]["microbatches"], args.stages
+            idle = f"{' / '.join(f'{100 * v:.0f}%' for v in per)} ({100 * (n - 1) / (m + n - 1):.0f}%)"
+        print(f"{label:<36} {ips:>8.0f} {ips / base:>5.2f}x {holds:>13} {idle:>24}")
+
+
+if __name__ == "__main__":
+    main()
