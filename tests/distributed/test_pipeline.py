@@ -129,6 +129,9 @@ def test_stages_must_divide_the_processes():
 @pytest.mark.parametrize("items, sentence", [
     (["dist.pipeline.microbatches=5"], r"dist.pipeline.microbatches: 5 does not divide a device's batch \(data.batch_size: 32\)"),
     (["dist.mode=ps"], r"dist.pipeline.stages: 2 does not combine with dist.mode: ps"),
+    (["train.ema=0.9"], r"dist.pipeline.stages: 2 does not combine with train.ema \(each stage would average"),
+    (["optim.l1=0.001"], r"dist.pipeline.stages: 2 does not combine with optim.l1"),
+    (["dist.sync_bn=true"], r"dist.pipeline.stages: 2 does not combine with dist.sync_bn"),
     (["boost.dim_reduce.enabled=true"], r"dist.pipeline.stages: 2 does not combine with boost"),
     (["dist.pipeline.split=[a,b]"], r"dist.pipeline.split names 2 module\(s\) and dist.pipeline.stages is 2"),
 ])
@@ -170,7 +173,8 @@ def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoi
     """The stop vote spans the pipeline: a signal to the last stage alone (as a scheduler may send it) stops the
     first stage at the same step, one checkpoint is written, and the run ends as any stopped run does."""
     run = tmp_path / "run"
-    args = ["train", *sets(*VIT, "train.max_steps=0", "train.epochs=50", "train.log_every=1", "dist.pipeline.stages=2"),
+    args = ["train", *sets(*VIT, "train.max_steps=0", "train.epochs=50", "train.log_every=1", "dist.pipeline.stages=2",
+                           "dist.pipeline.balance=time"),
             "--devices", "cpu:2", "--run-dir", str(run)]
     proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -188,4 +192,61 @@ def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoi
     step = int(m.group(1))
     assert step % 10 == 0 and checkpoint.load(m.group(2))["step"] == step
     assert f"SIGTERM at step {step}: saved a checkpoint;" in log1.read_text()
-    assert f"SIGTERM to rank 1 at step {step}: saved a checkpoint" in (run / "logs" / "workerlog.0").read_text()  # stage 0 agreed
+    log0 = (run / "logs" / "workerlog.0").read_text()
+    assert f"SIGTERM to rank 1 at step {step}: saved a checkpoint" in log0  # stage 0 agreed
+    assert "stage 0 of 2 (balanced by each block's measured time)" in log0  # rank 0 measured, both cut there
+
+
+@pytest.mark.fast
+def test_a_cut_by_measured_time_leaves_the_model_and_the_random_state_as_they_were():
+    """mnist_fast's parameters sit in conv3 and fc, its time in conv2 and conv3 (the same multiply-adds each, the
+    rest a tenth of it): by time the second stage begins before conv3, by parameters after it."""
+    from brickyard.distributed import pipeline as pp
+    from brickyard.models import create
+    torch.set_num_threads(1)
+    model = create("mnist_fast", 10, 1, (28, 28))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(16, 1, 28, 28)
+    rng = torch.get_rng_state()
+    timed, counted = pp.timed_cuts(model, 2, x), pp.cuts(model, 2)
+    names = [n for n, _ in pp.pieces(model)]
+    assert names[counted[1]] == "pool3" and 0 < timed[1] <= names.index("conv3") < counted[1], (timed, counted)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters()) and model.training
+
+
+@pytest.mark.fast
+def test_a_train_step_of_ones_own_is_one_sentence_before_anything_runs():
+    from brickyard.training.resolve import check_before_writing
+    from brickyard.training.trainer import UserParts
+    cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2"])
+    data = build_data(cfg.data)
+    info = DistInfo(world_size=2)
+    with pytest.raises(ConfigError, match="a train_step of your own is not built for it yet; pass loss_fn instead"):
+        check_before_writing(cfg, build_model(cfg, data), data, UserParts(train_step=lambda run, batch: None), info,
+                             ways.choose(cfg, info), None)
+
+
+@pytest.mark.fast
+def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were():
+    """torch's own shape inference would run a later stage's forward in training mode on an uninitialised input,
+    into its batch norm's running statistics: the stages are given their shapes instead, computed without a trace."""
+    import copy
+
+    from brickyard.distributed import pipeline as pp
+    from brickyard.models import create
+    torch.set_num_threads(1)
+    model = create("fashion_lean", 10, 1, (28, 28)).train()
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    norms[0].eval()  # a module left in evaluation mode by the user (a frozen norm) stays so
+    reference = copy.deepcopy(model).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    starts = pp.cuts(model, 2)
+    x = torch.randn(4, 1, 28, 28)
+    received, sent = pp.examples(model, starts, 1, x)
+    with torch.no_grad():
+        first = pp.stage_module(reference, starts, 0)(x)
+        assert torch.equal(first, received) and torch.equal(pp.stage_module(reference, starts, 1)(first), sent)
+    assert sent.shape == (4, 10) and not received.requires_grad
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training and not norms[0].training and all(m.training for m in norms[1:])

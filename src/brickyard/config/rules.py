@@ -94,8 +94,8 @@ def synchronous_ps_runs_to_the_end(train, dist) -> None:
                           f"use dist.mode: collective.")
 
 
-@across("dist", "boost", "train", "data")
-def pipeline_alone(dist, boost, train, data) -> None:
+@across("dist", "boost", "train", "data", "optim")
+def pipeline_alone(dist, boost, train, data, optim) -> None:
     """What ``dist.pipeline.stages`` above 1 does not combine with, and the batch its microbatches cut."""
     p = dist.pipeline
     if p.split and len(p.split) != p.stages - 1:
@@ -108,6 +108,9 @@ def pipeline_alone(dist, boost, train, data) -> None:
         (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
         (dist.strategy == "fsdp", "dist.strategy: fsdp (sharding within a stage is not built yet)"),
         (train.grad_accum != 1, f"train.grad_accum: {train.grad_accum} (the microbatches are the accumulation)"),
+        (bool(train.ema), "train.ema (each stage would average and save its own weights only)"),
+        (bool(optim.l1), "optim.l1 (the pipeline's step adds no penalty yet)"),
+        (dist.sync_bn, "dist.sync_bn (its statistics would span every stage's processes)"),
     ) if on]
     if other:
         raise ConfigError(f"dist.pipeline.stages: {p.stages} does not combine with {other[0]}.")

@@ -3,8 +3,7 @@
 One frozen dataclass per section; ``Config`` holds them all. ``brickyard.config`` builds a ``Config``
 from defaults, a YAML file and ``--set`` overrides and checks it against these declarations (each key
 alone: ``config/values.py``), then each section checks itself (its ``check()``) and the rules across
-sections run (``config/rules.py``); the README's configuration table is generated from the declarations
-(``python -m brickyard.config``).
+sections run (``config/rules.py``); docs/configuration.md's table is generated from them (``python -m brickyard.config``).
 """
 from __future__ import annotations
 
@@ -287,7 +286,8 @@ class PipelineConfig(Section):
     stages: int = _opt(1, min=1, doc="pipeline stages: the model split at block boundaries into this many parts, one a process (1: off); docs/distributed.md")
     schedule: str = _opt("gpipe", choices=("gpipe", "1f1b"), doc="torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B")
     microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into; auto: 2 x stages")
-    split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced by parameter count")
+    split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced as dist.pipeline.balance says")
+    balance: str = _opt("params", choices=("params", "time"), doc="where the stages are cut without a split: params (each stage near 1/N of the parameters) or time (of each block's forward and backward, measured on rank 0)")
 
     def microbatch_count(self) -> int:  # auto: 2 x stages, so each stage has a second microbatch to work on
         return 2 * self.stages if self.microbatches == "auto" else int(self.microbatches)

@@ -15,7 +15,9 @@ registry model's ``pipeline_pieces()`` (the ViTs: the tokens, each block, the cl
 under the model's own names, so a checkpoint holds the whole model as one process writes it.
 
 Balance: the cut points are chosen by parameter count (each stage as close to 1/N of the parameters as the
-block boundaries allow), not by measured time or memory; ``dist.pipeline.split`` names them instead.
+block boundaries allow), or with ``dist.pipeline.balance: time`` by the time of each piece's forward and backward
+pass, measured once on rank 0 on a probe microbatch and shared (``timed_cuts``); ``dist.pipeline.split`` names
+them instead.
 """
 from __future__ import annotations
 
@@ -72,12 +74,35 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
     return _balanced([_count(m) for _, m in parts], stages)
 
 
+def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3) -> list[int]:
+    """The piece index each stage begins at, balanced by the time of each piece's forward and backward pass on the
+    probe batch ``x`` (the fastest of ``repeats``), measured on a copy of ``model`` in evaluation mode (the model's
+    weights, buffers and the random state are left as they were). Device time on a GPU (synchronised per piece)."""
+    import copy
+    probe = copy.deepcopy(model).eval()
+    seconds, h = [], x
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        for _, piece in pieces(probe):
+            h = h.detach().requires_grad_(h.is_floating_point())
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                out = piece(h)
+                out.float().sum().backward()
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
+            h = out.detach()
+    return _balanced(seconds, stages)
+
+
 def _whole(names: list[str], begins: list[int]) -> bool:
     """Whether the pieces at ``begins`` are consecutive: a module made of several pieces, cut before its first."""
     return begins == list(range(begins[0], begins[0] + len(begins)))
 
 
-def _balanced(sizes: list[int], stages: int) -> list[int]:
+def _balanced(sizes: list, stages: int) -> list[int]:
     """Stage starts whose prefix sums of ``sizes`` come nearest k/N of the total, each stage one piece or more."""
     total, prefix = sum(sizes), [0]
     for s in sizes:
@@ -97,6 +122,31 @@ def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequenti
     if index and getattr(mine[0], "inplace", False):  # ReLU(inplace=True) would write into the received activation
         mine.insert(0, _Copy())
     return nn.Sequential(*mine)
+
+
+def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input stage ``index`` receives, its output) for the microbatch ``x``: the shapes and dtypes torch's
+    ``PipelineStage`` takes as ``input_args`` / ``output_args``, so that it infers none itself. (Its inference runs
+    a stage's forward in training mode on an uninitialised input, which batch norm would count in its running
+    statistics: ``_forward_metadata_inference`` in torch/distributed/pipelining/stage.py.) Computed here through
+    the model's own pieces, which every rank holds, without a gradient and in evaluation mode (no statistic or
+    random draw changes), each module's mode restored after."""
+    parts = pieces(model)
+    end = starts[index + 1] if index + 1 < len(starts) else len(parts)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            h = x
+            for _, piece in parts[:starts[index]]:
+                h = piece(h)
+            received = h
+            for _, piece in parts[starts[index]:end]:
+                h = piece(h)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return received, h
 
 
 class _Copy(nn.Module):
@@ -127,7 +177,8 @@ def gather_state(stage: nn.Module, names: dict[str, str], order: list[str], opti
     states, hyper = {}, {}
     for g, whole, held in zip(sd["param_groups"], groups.kept, groups.held):
         hyper[whole] = {k: v for k, v in g.items() if k != "params"}
-        states.update({name: sd["state"][i] for i, name in zip(g["params"], held) if i in sd["state"]})
+        states.update({name: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd["state"][i].items()}
+                       for i, name in zip(g["params"], held) if i in sd["state"]})  # on the host: pickled to the others
     parts: list = [None] * tdist.get_world_size(group)
     tdist.all_gather_object(parts, (mine, states, hyper), group=group)
     whole_state = {k: v for m, _, _ in parts for k, v in m.items()}
@@ -147,7 +198,7 @@ def _numbered(by_name: dict, layout: list[list[str]], kept, held: list[list[str]
                 state[i] = by_name[name]
             ids.append(i)
             i += 1
-        out.append({**settings[whole], "params": ids})
+        out.append({**settings[whole], "params": ids, **({"names": names} if "names" in settings[whole] else {})})
     return {"state": state, "param_groups": out}
 
 
@@ -211,8 +262,8 @@ class StageClock:
     for the other stages (the pipeline's fill and drain, the bubble, and the sends). ``timed`` wraps the stage's
     ``forward_one_chunk`` and ``backward_one_chunk``, the two calls torch's schedules make for a microbatch's
     compute (``torch/distributed/pipelining/schedules.py``, ``ScheduleGPipe._step_microbatches`` and
-    ``Schedule1F1B._step_microbatches``); the first ``warmup`` steps (shapes inferred, buffers made) are not
-    counted."""
+    ``Schedule1F1B._step_microbatches``); the first ``warmup`` steps (buffers made) are not counted. Host time:
+    on a GPU the calls return once their kernels are queued, so the compute is undercounted there."""
 
     def __init__(self, warmup: int = 2):
         self.warmup, self.steps, self.busy, self.wall = warmup, 0, 0.0, 0.0

@@ -189,6 +189,9 @@ class HeadSplitAttention(nn.Module):
         from torch.distributed.tensor.placement_types import _StridedShard
         n = mesh.size()
         self.batch_first, self.heads, self.head_dim = attn.batch_first, attn.num_heads // n, attn.head_dim
+        # what nn.TransformerEncoderLayer reads of its attention in evaluation mode (its fast path: off, as for
+        # q, k, v of different sizes): torch/nn/modules/transformer.py, TransformerEncoderLayer.forward
+        self.num_heads, self.embed_dim, self._qkv_same_embed_dim = attn.num_heads, attn.embed_dim, False
         self.group = mesh.get_group()
         strided = [_StridedShard(0, split_factor=3)]  # q, k, v each split in n: rank r's rows of each
         self.in_proj_weight = nn.Parameter(distribute_tensor(attn.in_proj_weight.detach(), mesh, strided))

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from brickyard.distributed.fsdp import is_dtensor
 from brickyard.errors import ConfigError
 
 
@@ -28,7 +29,7 @@ def build_optimizer(cfg, params):
         g.setdefault("lr_mult", 1.0)
         g["lr"] = cfg.lr * g["lr_mult"]
     wd, name = cfg.weight_decay, cfg.name
-    mixed = len({type(p) for g in groups for p in g["params"]}) > 1  # tensor parallel: DTensors and plain tensors
+    mixed = len({is_dtensor(p) for g in groups for p in g["params"]}) > 1  # tensor parallel: DTensors and plain tensors
     if _on_cuda(groups) and not mixed and name in ("sgd", "momentum", "nesterov", "adam", "adamw"):
         return _torch_fused(cfg, groups)
     if name == "sgd":

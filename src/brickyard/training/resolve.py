@@ -55,6 +55,9 @@ def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, r
         check_reachable(loggers(cfg.train))  # a tracking server that takes no connection
     activation_checkpointing.choose(model, cfg.train.activation_checkpointing)
     way.check(model, resume)
+    if user.train_step is not None and way.step_function() is not None:
+        raise ConfigError(f"train_step: the {way.name} way of training runs its own step (its schedule calls the model "
+                          f"and the loss), and a train_step of your own is not built for it yet; pass loss_fn instead.")
     _check_image_features(cfg, data)
 
 

@@ -94,7 +94,7 @@ class Trainer:
     def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
-        whole, self.model, self.channels_last = place(model, job, data.is_images, log)
+        whole, self.model, self.channels_last = place(model, job, data, log)
         self.param_groups = way.held_groups(param_groups(whole, cfg.optim, find_head(whole) if cfg.finetune.head_lr_mult
                                                          != 1.0 else None, cfg.finetune.head_lr_mult), self.model)
         self.losses = Losses(user.loss_fn, cfg.optim, host.device)
@@ -315,9 +315,9 @@ class Trainer:
         request = c.request.reason if c.request and c.request.kind == "request" else None
         if run.stopped is not None:
             return
-        if self.way.readers > 1:
+        if run.world_size > 1:  # the ranks that vote on a stop: the readers, or every rank where the model is split
             flag = torch.tensor([float(request is not None)], device=run.device)
-            if dist.all_reduce_sum(flag, self.job.group).item() > 0:
+            if dist.all_reduce_sum(flag, self.way.vote_group(self.job.group)).item() > 0:
                 c.agreed = dist.Stop("request", request or "a stop asked for on another rank")
         elif request is not None:
             c.agreed = dist.Stop("request", request)
@@ -336,7 +336,7 @@ class Trainer:
         return summary
 
 
-def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, nn.Module, bool]:
+def place(model: nn.Module, job: Job, data: DataBundle, log) -> tuple[nn.Module, nn.Module, bool]:
     """The model on its device (layout, SyncBatchNorm, activation checkpointing, then the way's sharding):
     (the whole model, the module this rank trains: the model or a pipeline's stage of it, channels_last)."""
     cfg, host, info = job.config, job.host, job.info
@@ -346,7 +346,7 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, nn.
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = dev.cudnn_benchmark(sum(p.numel() for p in model.parameters()))
-    channels_last = host.channels_last and images and job.way.keeps_layout
+    channels_last = host.channels_last and data.is_images and job.way.keeps_layout
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     if cfg.dist.sync_bn and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -354,7 +354,7 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, nn.
     if checkpointed:
         log.info(f"activation checkpointing: {len(checkpointed)} blocks ({', '.join(checkpointed[:4])}"
                  f"{', ...' if len(checkpointed) > 4 else ''}) recompute their activations in the backward pass")
-    stage = job.way.shard(model, host, log)
+    stage = job.way.shard(model, host, log, (data.in_channels, *data.image_size) if data.is_images else ())
     return model, (model if stage is None else stage), channels_last
 
 
@@ -362,7 +362,7 @@ def place(model: nn.Module, job: Job, images: bool, log) -> tuple[nn.Module, nn.
 def serve(job: Job, model: nn.Module, data: DataBundle, log) -> None:
     """A serving rank's whole part in the job (a parameter server): no training run is built on it."""
     cfg = job.config
-    model, _, _ = place(model, job, data.is_images, log)
+    model, _, _ = place(model, job, data, log)
     groups = param_groups(model, cfg.optim, find_head(model) if cfg.finetune.head_lr_mult != 1.0 else None,
                           cfg.finetune.head_lr_mult)
     job.way.serve([p.detach() for g in groups for p in g["params"]], job.plan, job.messages, log)

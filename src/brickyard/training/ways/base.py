@@ -45,9 +45,10 @@ class Way:
         """A serving rank's whole part in the job (``messages``: the second group of ``groups``)."""
         raise NotImplementedError
 
-    def shard(self, model: nn.Module, host, log) -> nn.Module | None:
+    def shard(self, model: nn.Module, host, log, sample: tuple = ()) -> nn.Module | None:
         """After the model is on its device: split it across the ranks where this way does (FSDP, in place); the
-        module this rank trains instead of ``model`` where it holds a part of it (a pipeline's stage), else None."""
+        module this rank trains instead of ``model`` where it holds a part of it (a pipeline's stage), else None.
+        ``sample``: the shape of one input image (C, H, W), where the inputs are images."""
         return None
 
     def groups(self):

@@ -26,7 +26,7 @@ class FSDPWay(Way):
     def check(self, model, resume):
         find_blocks(model, self.cfg.dist.fsdp.blocks, "dist.fsdp.blocks")
 
-    def shard(self, model, host, log):
+    def shard(self, model, host, log, sample=()):
         """Shard the parameters across the ranks before the optimiser sees them."""
         if not self.info.distributed:
             log.info("dist.strategy: fsdp on one process: nothing to shard, the model trains whole")

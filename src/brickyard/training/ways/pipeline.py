@@ -35,6 +35,7 @@ from brickyard.data.loaders import device_batches
 from brickyard.distributed import pipeline as pp
 from brickyard.distributed.gradsync import FlatGrads, GradSync
 from brickyard.errors import ConfigError
+from brickyard.training import device as dev
 from brickyard.training.run import StepResult
 from brickyard.training.step import apply_update
 from brickyard.training.ways.base import Way
@@ -61,6 +62,7 @@ class PipelineWay(Way):
         self.loss_sum = None
         self.device = torch.device("cpu")
         self.clock = pp.StageClock()
+        self.starts: list[int] = []  # the piece each stage begins at
 
     @property
     def readers(self) -> int:
@@ -103,9 +105,9 @@ class PipelineWay(Way):
     def vote_group(self, readers_group):
         return None  # every rank: the stages of a pipeline stop at the same step
 
-    def shard(self, model, host, log):
+    def shard(self, model, host, log, sample=()):
         """This rank's stage of ``model``: the module the optimiser and the run see."""
-        starts = pp.cuts(model, self.p.stages, self.p.split)
+        self.starts = starts = self._starts(model, host, sample)
         parts = pp.pieces(model)
         i = self.stage_index
         self.whole, self.stage = model, pp.stage_module(model, starts, i)
@@ -113,12 +115,27 @@ class PipelineWay(Way):
         self.device = host.device
         held, total = sum(p.numel() for p in self.stage.parameters()), sum(p.numel() for p in model.parameters())
         end = starts[i + 1] if i + 1 < len(starts) else len(parts)
-        how = "at dist.pipeline.split" if self.p.split else "balanced by parameter count"
+        how = ("at dist.pipeline.split" if self.p.split else "balanced by parameter count" if self.p.balance == "params"
+               else "balanced by each block's measured time")
         place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
         log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
                  f"{held:,} of {total:,} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
                  f"{self.p.schedule}; batch norm, if any, sees microbatch statistics")
         return self.stage
+
+    def _starts(self, model, host, sample: tuple) -> list[int]:
+        """Where the stages begin: at the split points, by parameter count, or by the pieces' times, measured on
+        rank 0 (a microbatch of the data's shape) and shared, so that every rank cuts the model in the same place."""
+        if self.p.split or self.p.balance == "params" or not self.info.distributed or not sample:
+            return pp.cuts(model, self.p.stages, self.p.split)
+        starts: list[int] = []
+        if self.info.rank == 0:
+            batch = max(device_batches(self.cfg.data, 1, self.replicas)) // self.p.microbatch_count()
+            x = torch.randn(max(1, batch), *sample, device=host.device)
+            starts = pp.timed_cuts(model, self.p.stages, x)
+        box = [starts]
+        tdist.broadcast_object_list(box, src=0)
+        return list(box[0])
 
     def held_groups(self, groups, module):
         cut, self.opt_groups = pp.held_groups(groups, module)
@@ -127,8 +144,8 @@ class PipelineWay(Way):
     def whole_model(self, model):
         return self.whole if self.whole is not None else model
 
-    def _schedule(self, n: int, train: bool):
-        """A stage and schedule for batches of ``n`` (torch's stages fix their shapes at the first step)."""
+    def _schedule(self, n: int, train: bool, x: torch.Tensor):
+        """A stage and schedule for batches of ``n`` (torch's stages fix their shapes: given here, from ``x``)."""
         key = (n, train)
         if key not in self.schedules:
             m = self.p.microbatch_count() if train else 1
@@ -136,7 +153,12 @@ class PipelineWay(Way):
                 m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-            stage = PipelineStage(self.stage, self.stage_index, self.p.stages, self.device, group=self.pipe)
+            received, sent = pp.examples(self.whole_model(self.stage), self.starts, self.stage_index, x[:n // m])
+            if train:  # what carries a gradient between the stages (the metadata says so: gradients are sent back)
+                received = received.requires_grad_(self.stage_index > 0 and received.is_floating_point())
+                sent = sent.requires_grad_(sent.is_floating_point())
+            stage = PipelineStage(self.stage, self.stage_index, self.p.stages, self.device, input_args=received,
+                                  output_args=sent, group=self.pipe)
             for name in ("forward_one_chunk", "backward_one_chunk") if train else ():
                 if hasattr(stage, name):  # torch's names for a microbatch's compute (distributed.pipeline.StageClock)
                     setattr(stage, name, self.clock.timed(getattr(stage, name)))
@@ -147,9 +169,9 @@ class PipelineWay(Way):
     def _loss(self, out, y):
         return self.loss_sum(out, y) * self.replicas / self.n_global  # averaged over the replicas: the global mean
 
-    def forward_all(self, x: torch.Tensor | None, n: int, train: bool, y=None, losses=None):
+    def forward_all(self, x: torch.Tensor, n: int, train: bool, y=None, losses=None):
         """Through the stages (inputs on the first, targets on the last); the logits on every rank."""
-        sched = self._schedule(n, train)
+        sched = self._schedule(n, train, x)
         first, last = self.stage_index == 0, self.stage_index == self.p.stages - 1
         out = sched.step(*((x,) if first else ()), target=y if last and train else None, losses=losses)
         return pp.broadcast_from_last(out if last else None, n, self.device, self.pipe)
@@ -167,7 +189,8 @@ class PipelineWay(Way):
         self.loss_sum, self.n_global = trainer.losses.train, n_global
         losses: list = []
         start = time.perf_counter()
-        out = self.forward_all(x, len(y), True, y, losses)
+        with dev.autocast(run.device, run.precision):  # the microbatches' forward passes, as a step's (evaluation has its own)
+            out = self.forward_all(x, len(y), True, y, losses)
         self.clock.step(time.perf_counter() - start)
         last = self.stage_index == self.p.stages - 1
         part = torch.stack([torch.stack(losses).sum() * n_global / self.replicas] if losses

@@ -68,7 +68,7 @@ class TensorParallelWay(Way):
     def vote_group(self, readers_group):
         return None  # every rank: the split layers need all of them at every step
 
-    def shard(self, model, host, log):
+    def shard(self, model, host, log, sample=()):
         """Split ``model``'s layers across the ranks, in place, before the optimiser sees its parameters."""
         if host.precision == "fp16":  # train.precision: auto chose it
             raise ConfigError(_FP16)
@@ -78,6 +78,7 @@ class TensorParallelWay(Way):
         mesh = init_device_mesh(host.device.type, (self.n,))
         tp.apply(model, plan, mesh)
         self.group = mesh.get_group()
+        same_random_state(host.device)  # dropout outside the split layers must draw alike on every rank
         held, total = tp.held(model)
         log.info(f"tensor parallel: rank {self.info.rank} of {self.n} holds {held:,} of {total:,} parameters "
                  f"({plan.describe(self.n)})")
@@ -90,3 +91,14 @@ class TensorParallelWay(Way):
 
     def summary_name(self, world):
         return "tensor_parallel"
+
+
+def same_random_state(device) -> None:
+    """Rank 0's random state on every rank (rank 0 alone may have drawn numbers before: ``precision: auto`` measures
+    on it), so that what every rank computes whole, dropout included, stays the same on each."""
+    import torch
+    box = [(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
+    tdist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0][0])
+    if box[0][1] is not None:
+        torch.cuda.set_rng_state(box[0][1], device)
