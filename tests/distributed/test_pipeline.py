@@ -250,3 +250,12 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
     assert sent.shape == (4, 10) and not received.requires_grad
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.training and not norms[0].training and all(m.training for m in norms[1:])
+
+
+def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(tmp_path):
+    """fashion_lean as the Fashion-MNIST presets train it (its first convolution whitened from the data, test-time
+    flips): the log describes the whole model, and the permuted activation the first stage sends is made dense."""
+    r = _train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=3",
+               "train.precision=fp32", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "test accuracy:" in r.stdout and "whiten" in log and "model fashion_lean (" in log

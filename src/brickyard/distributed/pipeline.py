@@ -121,7 +121,16 @@ def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequenti
     mine = [m for _, m in parts[starts[index]:end]]
     if index and getattr(mine[0], "inplace", False):  # ReLU(inplace=True) would write into the received activation
         mine.insert(0, _Copy())
+    if index + 1 < len(starts):  # sent to the next stage: gloo and NCCL send dense tensors only (a view, a permute)
+        mine.append(_Dense())
     return nn.Sequential(*mine)
+
+
+class _Dense(nn.Module):
+    """A stage's output made contiguous before it is sent."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous()
 
 
 def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +155,7 @@ def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -
     finally:
         for m, mode in modes:
             m.training = mode
-    return received, h
+    return received.contiguous(), h.contiguous()  # as sent (``_Dense``)
 
 
 class _Copy(nn.Module):

@@ -30,7 +30,8 @@ def announce(trainer, measured: dict | None = None) -> None:
     run, host, info = trainer.run, trainer.job.host, trainer.job.info
     cfg, data, log = run.config, run.data, run.log
     how = f" (auto: {measured['how']})" if measured else ""
-    n_params = sum(p.numel() for p in run.model.parameters())
+    whole = trainer.way.whole_model(run.model)  # a pipeline's stage: the model it is a stage of
+    n_params = sum(p.numel() for p in whole.parameters())
     pinned = f" on CPU {','.join(map(str, host.pinned))}" if host.pinned else ""
     log.info(f"device {dev.describe(host.device)}, precision {host.precision}{how}, channels_last {trainer.channels_last}, "
              f"{host.threads} threads{pinned}" + (f", {host.workers} loader workers" if not data.in_memory else "")
@@ -39,7 +40,7 @@ def announce(trainer, measured: dict | None = None) -> None:
              + (", compiled" if trainer.compiled else "") + f", pid {os.getpid()}")
     if trainer.graphs_note:
         log.info(trainer.graphs_note)
-    log.info(f"model {trainer.meta.get('name', type(run.model).__name__)} ({n_params:,} parameters), "
+    log.info(f"model {trainer.meta.get('name', type(whole).__name__)} ({n_params:,} parameters), "
              f"data {data.name}: {len(data.train):,} train / {len(data.val) if data.val else 0:,} val / "
              f"{len(data.test) if data.test else 0:,} test")
     if cfg.data.eval_limit and any(s is not None and len(s) > cfg.data.eval_limit for s in (data.val, data.test)):
@@ -47,7 +48,7 @@ def announce(trainer, measured: dict | None = None) -> None:
     for note in data.notes:
         log.info(note)
     if cfg.model.whiten:
-        log.info(whitening.describe(run.model, whitening.images_used(data)))
+        log.info(whitening.describe(whole, whitening.images_used(data)))
     _batch_lines(trainer)
 
 
