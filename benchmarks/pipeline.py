@@ -9,7 +9,7 @@ for the other stages, the fill and drain of the schedule and the sends). GPipe's
 (S - 1) / (M + S - 1) of a step for S stages and M microbatches; the measured idle time adds the sends and any
 imbalance between the stages.
 
-    python benchmarks/pipeline.py                       # ViT-Tiny on 28 px MNIST-shaped data, 2 stages, 3 rounds
+    python benchmarks/pipeline.py                       # ViT-Tiny (7 px patches) on 28 px MNIST-shaped data, 2 stages
     python benchmarks/pipeline.py --rounds 5 --steps 40 --model vit_tiny --devices cpu:2
     python benchmarks/pipeline.py --batch-norm --seeds 0 1 --epochs 2   # what microbatch statistics cost
 
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-RECIPE = ["data.name=synthetic", "data.synthetic.num_train=4096", "data.synthetic.num_val=256", "data.synthetic.num_test=256",
+RECIPE = ["data.name=synthetic", "model.patch_size=7", "data.synthetic.num_train=4096", "data.synthetic.num_val=256", "data.synthetic.num_test=256",
           "data.global_batch_size=64", "train.epochs=1", "train.plots=false", "train.threads=1", "train.precision=fp32",
           "train.eval_every=0", "checkpoint.every_epoch=false", "train.tensorboard=false", "train.progress=none"]
 
