@@ -21,6 +21,7 @@ them instead.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -78,7 +79,6 @@ def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3)
     """The piece index each stage begins at, balanced by the time of each piece's forward and backward pass on the
     probe batch ``x`` (the fastest of ``repeats``), measured on a copy of ``model`` in evaluation mode (the model's
     weights, buffers and the random state are left as they were). Device time on a GPU (synchronised per piece)."""
-    import copy
     probe = copy.deepcopy(model).eval()
     seconds, h = [], x
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import collections
 import fnmatch
 import math
+import sys
 
 import torch
 
-from brickyard.distributed.fsdp import is_dtensor
 from brickyard.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ def build_optimizer(cfg, params):
         g.setdefault("lr_mult", 1.0)
         g["lr"] = cfg.lr * g["lr_mult"]
     wd, name = cfg.weight_decay, cfg.name
-    mixed = len({is_dtensor(p) for g in groups for p in g["params"]}) > 1  # tensor parallel: DTensors and plain tensors
+    mixed = len({_sharded(p) for g in groups for p in g["params"]}) > 1  # tensor parallel: DTensors and plain tensors
     if _on_cuda(groups) and not mixed and name in ("sgd", "momentum", "nesterov", "adam", "adamw"):
         return _torch_fused(cfg, groups)
     if name == "sgd":
@@ -114,6 +114,14 @@ class Optimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in s.items() if k != "params"})
         self.state = collections.defaultdict(dict, {params[int(i)]: {k: _like(v, params[int(i)], k) for k, v in s.items()}
                                                     for i, s in state["state"].items()})
+
+
+def _sharded(t) -> bool:
+    """Whether ``t`` is a DTensor (none can be before torch.distributed.tensor is imported: it is not imported here,
+    as ``distributed.fsdp._loaded`` says why)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def by_type(items: list, key=lambda t: t) -> list[list]:

@@ -18,6 +18,7 @@ fp16's loss scaler (its check for infinite gradients would run on each rank's sh
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as tdist
 
 from brickyard.distributed import tensor_parallel as tp
@@ -96,7 +97,6 @@ class TensorParallelWay(Way):
 def same_random_state(device) -> None:
     """Rank 0's random state on every rank (rank 0 alone may have drawn numbers before: ``precision: auto`` measures
     on it), so that what every rank computes whole, dropout included, stays the same on each."""
-    import torch
     box = [(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
     tdist.broadcast_object_list(box, src=0)
     torch.set_rng_state(box[0][0])
