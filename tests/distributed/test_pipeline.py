@@ -6,7 +6,6 @@ rate. ViT-Tiny on 14-pixel images of one patch (2 tokens with the class token) i
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,37 +21,8 @@ from brickyard.data import build_data
 from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, memory, ways
-from conftest import SYNTH, run_cli, sets
-
-VIT = SYNTH + ["train.deterministic=true", "optim.name=momentum", "optim.weight_decay=0", "schedule.name=constant",
-               "optim.lr=0.01", "model.name=vit_tiny", "model.patch_size=14", "data.synthetic.channels=3",
-               "data.synthetic.height=14", "data.synthetic.width=14", "data.synthetic.num_train=640",
-               "data.synthetic.num_val=64", "data.synthetic.num_test=64", "data.global_batch_size=32",
-               "train.epochs=1", "train.max_steps=20", "checkpoint.every_steps=10", "train.plots=false"]
-
-
-def _train(run_dir, *items, devices=None, resume=False):
-    args = ["train", *sets(*items), "--run-dir", str(run_dir)] + (["--devices", devices] if devices else []) + (
-        ["--resume", "auto"] if resume else [])
-    r = run_cli(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def _last(run_dir):
-    return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])
-
-
-def _diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _moved(src, step: int, to):
-    """A run directory holding ``src``'s config and its checkpoint of ``step``: what ``--resume auto`` continues."""
-    (to / "checkpoints").mkdir(parents=True)
-    shutil.copy(src / "config.yaml", to)
-    shutil.copy(src / "checkpoints" / f"step-{step:07d}.pt", to / "checkpoints")
-    return to
+from conftest import SYNTH, sets
+from layouts import VIT, diff, last, moved, train
 
 
 def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_process_and_two_by_two(tmp_path):
@@ -60,14 +30,14 @@ def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_p
     run's step-10 checkpoint resumed on 1 process, the 1-process one on 2 stages x 2 replicas (4 processes), both
     to the 1-process run's weights; the 2-stage one resumed on 2 stages bit for bit."""
     one, two = tmp_path / "one", tmp_path / "two"
-    _train(one, *VIT)
-    _train(two, *VIT, "dist.pipeline.stages=2", devices="cpu:2")
-    a, b = _last(one), _last(two)
+    train(one, *VIT)
+    train(two, *VIT, "dist.pipeline.stages=2", devices="cpu:2")
+    a, b = last(one), last(two)
     assert a["step"] == b["step"] == 20 and list(a["model"]) == list(b["model"])  # the whole model, its own names
-    assert _diff(a["model"], b["model"]) < 1e-5
+    assert diff(a["model"], b["model"]) < 1e-5
     # the optimiser state as one process numbers it: the momentum of every parameter, in one process's groups
     assert [g["params"] for g in a["optimizer"]["param_groups"]] == [g["params"] for g in b["optimizer"]["param_groups"]]
-    assert _diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
+    assert diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
                  {i: s["momentum_buffer"] for i, s in b["optimizer"]["state"].items()}) < 1e-5
     held = {}
     for rank in (0, 1):  # what each process says it holds, from its own log
@@ -83,17 +53,17 @@ def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_p
     est = memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu"), 2, compare=False)
     assert [st["parameters"] for st in est["stages"]] == [4 * held[0], 4 * held[1]]
     assert all(st["in_flight"] == 4 and st["activations_per_microbatch"] > 0 for st in est["stages"])
-    back = _moved(two, 10, tmp_path / "back")  # 2 stages -> 1 process
-    _train(back, "dist.pipeline.stages=1", resume=True)
+    back = moved(two, 10, tmp_path / "back")  # 2 stages -> 1 process
+    train(back, "dist.pipeline.stages=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
-    assert _last(back)["step"] == 20 and _diff(a["model"], _last(back)["model"]) < 1e-5
-    wide = _moved(one, 10, tmp_path / "wide")  # 1 process -> 2 stages x 2 replicas
-    r = _train(wide, "dist.pipeline.stages=2", devices="cpu:4", resume=True)
+    assert last(back)["step"] == 20 and diff(a["model"], last(back)["model"]) < 1e-5
+    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 stages x 2 replicas
+    r = train(wide, "dist.pipeline.stages=2", devices="cpu:4", resume=True)
     assert "rank 3 is stage 1 of 2, replica 1 of 2" in (wide / "logs" / "workerlog.3").read_text(), r.stdout[-2000:]
-    assert _last(wide)["step"] == 20 and _diff(a["model"], _last(wide)["model"]) < 1e-5
-    again = _moved(two, 10, tmp_path / "again")  # the same layout: bit for bit
-    _train(again, resume=True, devices="cpu:2")
-    c = _last(again)
+    assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5
+    again = moved(two, 10, tmp_path / "again")  # the same layout: bit for bit
+    train(again, resume=True, devices="cpu:2")
+    c = last(again)
     assert c["step"] == 20 and all(torch.equal(b["model"][k], c["model"][k]) for k in b["model"])
 
 
@@ -255,7 +225,7 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
 def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(tmp_path):
     """fashion_lean as the Fashion-MNIST presets train it (its first convolution whitened from the data, test-time
     flips): the log describes the whole model, and the permuted activation the first stage sends is made dense."""
-    r = _train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=3",
+    r = train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=3",
                "train.precision=fp32", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
     log = (tmp_path / "r" / "train.log").read_text()
     assert "test accuracy:" in r.stdout and "whiten" in log and "model fashion_lean (" in log

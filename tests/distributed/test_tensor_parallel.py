@@ -6,7 +6,6 @@ constant rate; ViT-Tiny on 14-pixel images of one patch (2 tokens with the class
 """
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -17,40 +16,16 @@ from brickyard.distributed import tensor_parallel as tp
 from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
 from brickyard.models import create
-from brickyard.training import checkpoint, ways
-from conftest import SYNTH, run_cli, sets
+from brickyard.training import ways
+from conftest import SYNTH, run_cli
+from layouts import VIT, diff, last, moved, train
 
 # tests/distributed/test_pipeline.py's settings (copied: that file changes on its own)
-VIT = SYNTH + ["train.deterministic=true", "optim.name=momentum", "optim.weight_decay=0", "schedule.name=constant",
-               "optim.lr=0.01", "model.name=vit_tiny", "model.patch_size=14", "data.synthetic.channels=3",
-               "data.synthetic.height=14", "data.synthetic.width=14", "data.synthetic.num_train=640",
-               "data.synthetic.num_val=64", "data.synthetic.num_test=64", "data.global_batch_size=32",
-               "train.epochs=1", "train.max_steps=20", "checkpoint.every_steps=10", "train.plots=false"]
 CLIP = "train.grad_clip=0.5"  # clips every step of these runs: the norm over shards and whole tensors is tested too
 
 
-def _train(run_dir, *items, devices=None, resume=False):
-    args = ["train", *sets(*items), "--run-dir", str(run_dir)] + (["--devices", devices] if devices else []) + (
-        ["--resume", "auto"] if resume else [])
-    r = run_cli(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 
-def _last(run_dir):
-    return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])
-
-
-def _diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _moved(src, step: int, to):
-    """A run directory holding ``src``'s config and its checkpoint of ``step``: what ``--resume auto`` continues."""
-    (to / "checkpoints").mkdir(parents=True)
-    shutil.copy(src / "config.yaml", to)
-    shutil.copy(src / "checkpoints" / f"step-{step:07d}.pt", to / "checkpoints")
-    return to
 
 
 def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_them(tmp_path):
@@ -58,13 +33,13 @@ def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_the
     whole tensors under the model's own names; each rank says it holds less than the whole model; the 2-rank run's
     step-10 checkpoint resumed on 1 process, and the 1-process one on 2 ranks, both to the 1-process run's weights."""
     one, two = tmp_path / "one", tmp_path / "two"
-    _train(one, *VIT, CLIP)
-    _train(two, *VIT, CLIP, "dist.tensor_parallel=2", "train.grad_accum=2", devices="cpu:2")
-    a, b = _last(one), _last(two)
+    train(one, *VIT, CLIP)
+    train(two, *VIT, CLIP, "dist.tensor_parallel=2", "train.grad_accum=2", devices="cpu:2")
+    a, b = last(one), last(two)
     assert a["step"] == b["step"] == 20 and list(a["model"]) == list(b["model"])  # the model's own names
     assert all(type(v) is torch.Tensor and v.shape == a["model"][k].shape for k, v in b["model"].items())  # whole
-    assert _diff(a["model"], b["model"]) < 1e-5
-    assert _diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
+    assert diff(a["model"], b["model"]) < 1e-5
+    assert diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
                  {i: s["momentum_buffer"] for i, s in b["optimizer"]["state"].items()}) < 1e-5
     total = sum(v.numel() for v in a["model"].values())
     for rank in (0, 1):
@@ -74,14 +49,14 @@ def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_the
         assert 0.5 * total < int(line[2].replace(",", "")) < 0.75 * total  # MLPs and head halved; the rest whole
         assert line[4] == "12 MLPs column/row split, head rows split; attention replicated: 3 heads over 2"
     assert json.loads((two / "summary.json").read_text())["strategy"] == "tensor_parallel"
-    back = _moved(two, 10, tmp_path / "back")  # 2 ranks -> 1 process
-    _train(back, "dist.tensor_parallel=1", resume=True)
+    back = moved(two, 10, tmp_path / "back")  # 2 ranks -> 1 process
+    train(back, "dist.tensor_parallel=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
-    assert _last(back)["step"] == 20 and _diff(a["model"], _last(back)["model"]) < 1e-5
-    wide = _moved(one, 10, tmp_path / "wide")  # 1 process -> 2 ranks
-    _train(wide, "dist.tensor_parallel=2", devices="cpu:2", resume=True)
+    assert last(back)["step"] == 20 and diff(a["model"], last(back)["model"]) < 1e-5
+    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 ranks
+    train(wide, "dist.tensor_parallel=2", devices="cpu:2", resume=True)
     assert "rank 1 of 2 holds" in (wide / "logs" / "workerlog.1").read_text()
-    assert _last(wide)["step"] == 20 and _diff(a["model"], _last(wide)["model"]) < 1e-5
+    assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5
 
 
 HEADS = '''
