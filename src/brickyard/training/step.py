@@ -223,13 +223,13 @@ def optimizer_step(trainer, batches) -> StepResult:
         trainer.meter.totals.add(loss_sum, out, y)
         images += len(y) * readers
     trainer.grad_sync()
-    apply_update(trainer, loss_sum, batch, trainer.way.clip)
+    apply_update(trainer, loss_sum, batch)
     return StepResult(loss_sum / len(y), (x, y), images, data_wait)
 
 
-def apply_update(trainer, loss_sum: torch.Tensor, batch, clip) -> None:
+def apply_update(trainer, loss_sum: torch.Tensor, batch) -> None:
     """What every step does once its gradients are summed: ``on_before_update``, the learning rate, clipping
-    (``clip(optimizer, max_norm)``, when ``train.grad_clip`` is set; after the fp16 scaler's unscale), the update
+    (the way's ``clip``, when ``train.grad_clip`` is set; after the fp16 scaler's unscale), the update
     and zeroing the gradients (``optimizer_step``'s and a way's own step, e.g. a pipeline's)."""
     run, max_norm = trainer.run, trainer.config.train.grad_clip
     trainer.callbacks.on_before_update(run)
@@ -240,7 +240,7 @@ def apply_update(trainer, loss_sum: torch.Tensor, batch, clip) -> None:
         set_lr(run.optimizer, run.lr)
     if max_norm:
         trainer.scaler.unscale_(run.optimizer)
-        clip(run.optimizer, max_norm)
+        trainer.way.clip(run.optimizer, max_norm)
     trainer.update(run, loss_sum, batch)
     trainer.grad_sync.zero_grad(run.optimizer)
 

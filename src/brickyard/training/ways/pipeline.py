@@ -200,10 +200,10 @@ class PipelineWay(Way):
             trainer.guard.raise_for(run, x, y)
         trainer.meter.totals.add(loss_sum, out, y)
         trainer.grad_sync()  # the stage's replicas: their gradients averaged
-        apply_update(trainer, loss_sum, (x, y, n_global), self._clip)
+        apply_update(trainer, loss_sum, (x, y, n_global))
         return StepResult(loss_sum / len(y), (x, y), len(y) * self.replicas, data_wait)
 
-    def _clip(self, optimizer, max_norm: float) -> None:
+    def clip(self, optimizer, max_norm: float) -> None:
         """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce in the pipeline)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
