@@ -21,8 +21,9 @@ class Way:
     shards_state = False   # each of N ranks holds 1/N of the parameters, gradients and optimiser state
 
     def __init__(self, cfg, info, groups=None):
+        """``groups``: what ``groups()`` made once for the job, which a way with process groups of its own keeps
+        (a pipeline, tensor parallel); None before they are made."""
         self.cfg, self.info = cfg, info
-        self.joined = groups  # what ``groups`` made, for the way a run trains with (None: not made yet)
 
     def check(self, model, resume: str | None) -> None:
         """What this way refuses of the run, in one sentence, before anything is written."""
