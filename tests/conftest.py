@@ -210,6 +210,24 @@ def run_cli_many(*commands, env=None, timeout=600, cwd=None):
     return done
 
 
+def sigterm_rank_one(args, run: Path, rows: int):
+    """`brickyard ARGS --run-dir RUN` on 2 processes, SIGTERM to rank 1 alone (as a scheduler may send it) once it has
+    logged its pid and ``rows`` training rows are written; returns (returncode, stderr) of the command."""
+    import re
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args, "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()
+                                          and metrics.read_text().count('"train"') >= rows):
+        time.sleep(0.05)
+    os.kill(int(re.search(r"pid (\d+)", log1.read_text()).group(1)), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
 def sets(*items):
     out = []
     for item in items:

@@ -14,7 +14,16 @@ from brickyard import api
 from brickyard.config import load_config
 from brickyard.distributed import process as dist
 from brickyard.training import checkpoint
-from conftest import ACROSS_ORDERS, ONE_BAD_IMAGE, SYNTH, one_bad_image, readers_of_the_bad_image, run_cli, sets
+from conftest import (
+    ACROSS_ORDERS,
+    ONE_BAD_IMAGE,
+    SYNTH,
+    one_bad_image,
+    readers_of_the_bad_image,
+    run_cli,
+    sets,
+    sigterm_rank_one,
+)
 
 PARITY = SYNTH + ["train.deterministic=true", "train.max_steps=20", "train.epochs=10", "optim.name=momentum",
                   "schedule.name=cosine", "data.augment=shift", "train.log_every=5"]
@@ -173,22 +182,13 @@ def test_a_node_that_never_joins_is_named_in_one_sentence_after_the_timeout(tmp_
 
 
 def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_resume_is_exact(tmp_path):
-    import subprocess
-    import sys
     args = ["train", "mnist", *sets(*PARITY, "train.max_steps=0", "train.epochs=20", "train.log_every=1"), "--devices", "cpu:2"]
     reference = run_cli(*args, "--run-dir", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args, "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()
-                                          and metrics.read_text().count('"train"') >= 20):
-        time.sleep(0.05)
-    os.kill(int(re.search(r"pid (\d+)", log1.read_text()).group(1)), signal.SIGTERM)  # rank 1 only, as a scheduler might
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    code, err = sigterm_rank_one(args, run, rows=20)
+    assert code == 130, err
+    log1 = run / "logs" / "workerlog.1"
     m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.",
                      err.strip())
     assert m, err

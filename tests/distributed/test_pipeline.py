@@ -4,12 +4,7 @@ they refuse, in-process.
 Pinned as the FSDP tests are: fp32, one thread per process, deterministic algorithms, plain SGD at a constant
 rate. ViT-Tiny on 14-pixel images of one patch (2 tokens with the class token) in global batches of 32.
 """
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -21,7 +16,7 @@ from brickyard.data import build_data
 from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, memory, ways
-from conftest import SYNTH, sets
+from conftest import SYNTH, sets, sigterm_rank_one
 from layouts import VIT, diff, last, moved, train
 
 
@@ -145,17 +140,10 @@ def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoi
     run = tmp_path / "run"
     args = ["train", *sets(*VIT, "train.max_steps=0", "train.epochs=50", "train.log_every=1", "dist.pipeline.stages=2",
                            "dist.pipeline.balance=time"),
-            "--devices", "cpu:2", "--run-dir", str(run)]
-    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()
-                                          and metrics.read_text().count('"train"') >= 3):
-        time.sleep(0.05)
-    os.kill(int(re.search(r"pid (\d+)", log1.read_text()).group(1)), signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+            "--devices", "cpu:2"]
+    code, err = sigterm_rank_one(args, run, rows=3)
+    assert code == 130, err
+    log1 = run / "logs" / "workerlog.1"
     m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.",
                      err.strip())
     assert m, err
