@@ -12,10 +12,12 @@ imbalance between the stages.
     python benchmarks/pipeline.py                       # ViT-Tiny (7 px patches) on 28 px MNIST-shaped data, 2 stages
     python benchmarks/pipeline.py --rounds 5 --steps 40 --model vit_tiny --devices cpu:2
     python benchmarks/pipeline.py --batch-norm --seeds 0 1 --epochs 2   # what microbatch statistics cost
+    python benchmarks/pipeline.py --batch-norm --preset fashion-resnet18 --set data.train_per_class=300 --epochs 4
 
 `--batch-norm` measures what a pipeline changes for a model with batch norm, which sees each microbatch's statistics
-instead of the device batch's: the `fashion-lean` preset (batch norm after each convolution) for `--epochs` on one
-process and on 2 stages (4 microbatches of its batch of 128), test accuracy per seed.
+instead of the device batch's: a preset (`--preset`, default `fashion-lean`: batch norm after each convolution;
+`fashion-resnet18`: ResNet-18) for `--epochs` on one process and on 2 stages (4 microbatches of its batch), test
+accuracy and training time per seed.
 
 On a machine of 2 cores each process gets one thread (train.threads=1, pinned for every layout), so one process
 leaves a core idle: the pipeline's speed-up there is what two cores buy, less the bubble and the sends.
@@ -56,21 +58,25 @@ def run(label: str, extra: list[str], devices: str | None, model: str, steps: in
         return json.loads((Path(tmp) / "summary.json").read_text())
 
 
-def batch_norm_cost(seeds: list[int], epochs: int, devices: str) -> None:
-    print(f"fashion-lean, {epochs} epochs, test accuracy: one process (batch-norm statistics of 128 images) against "
-          f"2 stages x 4 microbatches (of 32)")
+def batch_norm_cost(seeds: list[int], epochs: int, devices: str, preset: str = "fashion-lean", extra: tuple = ()) -> None:
+    """Test accuracy of ``preset`` (with ``extra`` settings) on one process and on 2 stages of 4 microbatches, per seed."""
+    print(f"{preset} {' '.join(extra)}, {epochs} epochs, test accuracy: one process (batch-norm statistics of the "
+          f"device batch) against 2 stages x 4 microbatches (a quarter of it)")
     for seed in seeds:
-        row = []
-        for extra, dev in (([], None), (["dist.pipeline.stages=2", "dist.pipeline.microbatches=4"], devices)):
+        row, seconds = [], []
+        for layout, dev in (([], None), (["dist.pipeline.stages=2", "dist.pipeline.microbatches=4"], devices)):
             with tempfile.TemporaryDirectory() as tmp:
                 sets = [a for s in [f"train.seed={seed}", f"train.epochs={epochs}", "train.plots=false", "train.threads=1",
-                                    "train.precision=fp32", *extra] for a in ("--set", s)]
-                cmd = [sys.executable, "-m", "brickyard", "train", "fashion-lean", *sets, "--run-dir", tmp]
+                                    "train.precision=fp32", *extra, *layout] for a in ("--set", s)]
+                cmd = [sys.executable, "-m", "brickyard", "train", preset, *sets, "--run-dir", tmp]
                 r = subprocess.run(cmd + (["--devices", dev] if dev else []), capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(r.stderr[-2000:])
-                row.append(json.loads((Path(tmp) / "summary.json").read_text())["test_accuracy"])
-        print(f"seed {seed}: one process {100 * row[0]:.2f}%, 2 stages {100 * row[1]:.2f}% ({100 * (row[1] - row[0]):+.2f})")
+                summary = json.loads((Path(tmp) / "summary.json").read_text())
+                row.append(summary["test_accuracy"])
+                seconds.append(summary["train_seconds"])
+        print(f"seed {seed}: one process {100 * row[0]:.2f}% ({seconds[0]:.0f} s of training), 2 stages "
+              f"{100 * row[1]:.2f}% ({seconds[1]:.0f} s) ({100 * (row[1] - row[0]):+.2f})", flush=True)
 
 
 def main() -> None:
@@ -80,12 +86,15 @@ def main() -> None:
     ap.add_argument("--devices", default="cpu:2")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-norm", action="store_true", help="what microbatch statistics cost fashion-lean's accuracy")
+    ap.add_argument("--batch-norm", action="store_true", help="what microbatch statistics cost a preset's accuracy")
+    ap.add_argument("--preset", default="fashion-lean", help="with --batch-norm: the preset trained")
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --batch-norm: settings added to the preset's")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args()
     if args.batch_norm:
-        batch_norm_cost(args.seeds, args.epochs, args.devices)
+        batch_norm_cost(args.seeds, args.epochs, args.devices, args.preset, tuple(args.extra))
         return
     cases = layouts(args.stages, args.devices)
     got: dict[str, list[dict]] = {label: [] for label, _, _ in cases}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"
 if "BRICKYARD_DATA" not in os.environ and SHARED.is_dir():
@@ -172,9 +174,13 @@ needs_mnist = pytest.mark.skipif(not have_mnist(), reason="MNIST files not found
 
 
 def run_cli(*args, env=None, timeout=600, cwd=None):
-    """Run `python -m brickyard ARGS` as a real process; returns CompletedProcess."""
+    """Run `python -m brickyard ARGS` as a real process; returns CompletedProcess. The process is forked from a warm
+    interpreter that has imported torch (``tests/warm.py``), or started cold where that could differ."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    done = warm.run(args, full_env, timeout, cwd)
+    if done is not None:
+        return done
     return subprocess.run([sys.executable, "-m", "brickyard", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
 
@@ -203,6 +209,8 @@ def run_cli_many(*commands, env=None, timeout=600, cwd=None):
     from types import SimpleNamespace
     full_env = dict(os.environ)
     full_env.update(env or {})
+    if full_env.get("BRICKYARD_TESTS_COLD") != "1":
+        return [run_cli(*c, env=env, timeout=timeout, cwd=cwd) for c in commands]
     r = subprocess.run([sys.executable, "-c", _MANY, json.dumps([[str(a) for a in c] for c in commands])],
                        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     done = [SimpleNamespace(**json.loads(line)) for line in r.stdout.splitlines() if line.startswith('{"returncode"')]

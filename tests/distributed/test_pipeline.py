@@ -4,6 +4,7 @@ they refuse, in-process.
 Pinned as the FSDP tests are: fp32, one thread per process, deterministic algorithms, plain SGD at a constant
 rate. ViT-Tiny on 14-pixel images of one patch (2 tokens with the class token) in global batches of 32.
 """
+import json
 import re
 
 import pytest
@@ -22,8 +23,9 @@ from layouts import VIT, diff, last, moved, train
 
 def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_process_and_two_by_two(tmp_path):
     """2 stages against 1 process (20 steps of SGD with momentum, so the optimiser state moves too); the 2-stage
-    run's step-10 checkpoint resumed on 1 process, the 1-process one on 2 stages x 2 replicas (4 processes), both
-    to the 1-process run's weights; the 2-stage one resumed on 2 stages bit for bit."""
+    run's step-10 checkpoint resumed on 1 process, the 1-process one on 2 stages x 2 replicas (4 processes) with
+    each stage sharded over its replicas (FSDP), both to the 1-process run's weights; the 2-stage one resumed on 2
+    stages bit for bit. (2 x 2 without FSDP: the two-host test, launch/test_multinode.py.)"""
     one, two = tmp_path / "one", tmp_path / "two"
     train(one, *VIT)
     train(two, *VIT, "dist.pipeline.stages=2", devices="cpu:2")
@@ -52,10 +54,15 @@ def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_p
     train(back, "dist.pipeline.stages=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
     assert last(back)["step"] == 20 and diff(a["model"], last(back)["model"]) < 1e-5
-    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 stages x 2 replicas
-    r = train(wide, "dist.pipeline.stages=2", devices="cpu:4", resume=True)
-    assert "rank 3 is stage 1 of 2, replica 1 of 2" in (wide / "logs" / "workerlog.3").read_text(), r.stdout[-2000:]
-    assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5
+    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 stages x 2 replicas, each stage sharded over its two
+    r = train(wide, "dist.pipeline.stages=2", "dist.strategy=fsdp", devices="cpu:4", resume=True)
+    log3 = (wide / "logs" / "workerlog.3").read_text()
+    assert "rank 3 is stage 1 of 2, replica 1 of 2" in log3, r.stdout[-2000:]
+    line = re.search(r"FSDP: shard 1 of 2 of the stage \((\d+) blocks and the stage sharded\), about ([\d,]+) parameters", log3)
+    assert line and int(line[1]) > 0 and int(line[2].replace(",", "")) == held[1] // 2, log3[-2000:]
+    summary = json.loads((wide / "summary.json").read_text())
+    assert summary["strategy"] == "pipeline+fsdp" and summary["held_per_rank"]["parameters"] < 0.3 * 4 * total
+    assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5  # loaded, trained, gathered
     again = moved(two, 10, tmp_path / "again")  # the same layout: bit for bit
     train(again, resume=True, devices="cpu:2")
     c = last(again)
@@ -174,6 +181,33 @@ def test_a_cut_by_measured_time_leaves_the_model_and_the_random_state_as_they_we
 
 
 @pytest.mark.fast
+def test_a_cut_by_memory_makes_the_largest_stage_smaller_than_a_cut_by_parameters():
+    """ResNet-18 on 28-pixel images with Adam: its parameters sit in layer4, its activations in the stem and the
+    early layers (full resolution). Cut by parameters, stage 0 holds every activation but layer4.1's and is 2.7
+    times stage 1; cut by memory the largest stage (`brickyard memory`'s figures, cut where the run cuts) is 30%
+    smaller, and the model, its batch norm statistics and the random state are left as they were. And the
+    partition itself: the least largest stage, each stage's cost weighed by its microbatches in flight."""
+    from brickyard.distributed import pipeline as pp
+    torch.set_num_threads(1)
+    assert pp._least_largest(lambda i, a, b: b - a, 10, 3) == [0, 3, 6]  # 3, 3, 4 pieces
+    assert pp._least_largest(lambda i, a, b: (b - a) * (3 - i), 7, 3) == [0, 1, 3]  # 1x3, 2x2, 4x1: in flight weighs
+    assert pp.in_flight("1f1b", 8, 4, 1) == 3 and pp.in_flight("gpipe", 8, 4, 1) == 8 and pp.in_flight("1f1b", 2, 4, 0) == 2
+    cfg = load_config("mnist", SYNTH + ["model.name=resnet18", "optim.name=adam", "dist.pipeline.stages=2",
+                                        "data.batch_size=32"])
+    data = build_data(cfg.data)
+    model = build_model(cfg, data)
+    before, rng = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+    largest, first = {}, {}
+    for balance in ("params", "memory"):
+        est = memory.stage_estimates(cfg.replace(**{"dist.pipeline.balance": balance}), model, data, "fp32", 32)
+        largest[balance] = max(st["total"] for st in est)
+        first[balance] = [st["first"] for st in est]
+    assert first == {"params": ["conv1", "layer4.1"], "memory": ["conv1", "layer4.0"]}  # one block earlier
+    assert largest["memory"] < 0.75 * largest["params"], largest  # 152 MB against 216 (bytes counted and measured)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.fast
 def test_a_train_step_of_ones_own_is_one_sentence_before_anything_runs():
     from brickyard.training.resolve import check_before_writing
     from brickyard.training.trainer import UserParts
@@ -188,7 +222,8 @@ def test_a_train_step_of_ones_own_is_one_sentence_before_anything_runs():
 @pytest.mark.fast
 def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were():
     """torch's own shape inference would run a later stage's forward in training mode on an uninitialised input,
-    into its batch norm's running statistics: the stages are given their shapes instead, computed without a trace."""
+    into its batch norm's running statistics: the stages are given their shapes instead, computed on the meta
+    device. Each rank then holds its stage's parameters and buffers only: the other stages' are freed."""
     import copy
 
     from brickyard.distributed import pipeline as pp
@@ -198,15 +233,22 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     norms[0].eval()  # a module left in evaluation mode by the user (a frozen norm) stays so
     reference = copy.deepcopy(model).eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     starts = pp.cuts(model, 2)
+    stage = pp.stage_module(model, starts, 1)
+    names = pp.own_names(model, stage)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shapes = pp.release_others(model, stage)
     x = torch.randn(4, 1, 28, 28)
-    received, sent = pp.examples(model, starts, 1, x)
+    received, sent = pp.examples(shapes, starts, 1, x, torch.device("cpu"))
     with torch.no_grad():
         first = pp.stage_module(reference, starts, 0)(x)
-        assert torch.equal(first, received) and torch.equal(pp.stage_module(reference, starts, 1)(first), sent)
-    assert sent.shape == (4, 10) and not received.requires_grad
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert received.shape == first.shape and sent.shape == pp.stage_module(reference, starts, 1)(first).shape == (4, 10)
+    assert received.device.type == sent.device.type == "cpu" and not received.requires_grad
+    own = set(names.values())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in own) and all(after[k].is_meta for k in after if k not in own)
+    assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for k, v in before.items() if "running" not in k
+                                                             and "num_batches" not in k)  # the log's count stands
     assert model.training and not norms[0].training and all(m.training for m in norms[1:])
 
 
@@ -217,3 +259,27 @@ def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(
                "train.precision=fp32", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
     log = (tmp_path / "r" / "train.log").read_text()
     assert "test accuracy:" in r.stdout and "whiten" in log and "model fashion_lean (" in log
+
+
+def test_bench_times_each_schedule_and_each_stage(tmp_path):
+    """`brickyard bench` of a pipeline config: each schedule a real 2-process training job of the trainer's step, its
+    images/s, each stage's compute against its step and the schedule's own bubble, in the table and bench.json."""
+    from conftest import run_cli
+    recipe = [s for s in VIT if not s.startswith(("train.max_steps", "checkpoint"))] + ["dist.pipeline.stages=2",
+                                                                                         "dist.pipeline.microbatches=4"]
+    r = run_cli("bench", "mnist", *sets(*recipe), "--steps", "6", "--warmup", "3", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    cfg = load_config("mnist", recipe)
+    whole = 4 * sum(p.numel() for p in build_model(cfg, build_data(cfg.data)).parameters())  # bytes in fp32
+    assert list(doc["results"]) == ["cpu:2 gpipe", "cpu:2 1f1b"]  # the default spec: one process a stage
+    for label, res in doc["results"].items():
+        pipe = res["pipeline"]
+        assert res["way"] == "pipeline" and res["world_size"] == 2 and res["images_per_second"] > 0
+        assert pipe["schedule"] == label.split()[1] and pipe["microbatches"] == 4 and pipe["textbook_bubble"] == 0.2
+        assert [row["stage"] for row in pipe["ranks"]] == [0, 1]
+        assert all(row["steps"] == 7 and 0 < row["busy_ms"] < row["step_ms"] for row in pipe["ranks"])  # 9 less 2 untimed
+        assert 0.4 * whole < res["held_per_rank"]["parameters"] < 0.6 * whole  # rank 0 holds about half the model
+    assert re.search(r"stage 1, replica 0: computes [\d.]+ ms of each [\d.]+ ms step, idle [\d.]+%", r.stdout)
+    assert "the schedule's own bubble (S - 1) / (M + S - 1) is 20.0% of a step" in r.stdout
+    assert "cpu:2 1f1b" in r.stdout.split("efficiency")[-1]  # the table's rows

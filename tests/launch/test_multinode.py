@@ -227,10 +227,13 @@ def test_elastic_a_node_joins_then_leaves_and_the_global_batch_holds(hosts, tmp_
     second = _node(h, 1, run, "1:2", elastic, config=steps)
     log0 = run / "logs-node0" / "workerlog.0"
     deadline = time.time() + 120
-    while "world size 2," not in log0.read_text():
+    while "world size 2," not in log0.read_text() or not re.search(r"resumed from \S+ at step \d+", log0.read_text()):
         assert time.time() < deadline and first.poll() is None and second.poll() is None
         time.sleep(0.1)
-    time.sleep(1.0)  # a few steps with world 2
+    joined = int(re.search(r"resumed from \S+ at step (\d+)", log0.read_text())[1])
+    while max(int(p.stem.split("-")[1]) for p in checkpoint.step_checkpoints(run / "checkpoints")) <= joined:
+        assert time.time() < deadline and first.poll() is None and second.poll() is None  # world 2 saves one
+        time.sleep(0.05)  # (a second of world 2 was fewer than 50 steps on a loaded machine: both resumed at 700)
     h.kill_node(1)
     rc0, _, err0 = h.wait(first)
     assert rc0 == 0, err0[-3000:]

@@ -30,6 +30,8 @@ def add(sub) -> None:
     b.add_argument("--nnodes", default="1", metavar="N", help="also time each spec across N machines (run the same command on each)")
     b.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous")
     b.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (with --nnodes)")
+    b.add_argument("--schedules", nargs="+", choices=("gpipe", "1f1b"), default=("gpipe", "1f1b"),
+                   help="with dist.pipeline.stages: the schedules timed, each a job of its own (default both)")
     b.add_argument("--device", help=argparse.SUPPRESS)
     b.add_argument("--result", help=argparse.SUPPRESS)  # a worker job writes rank 0's result here
 
@@ -37,6 +39,24 @@ def add(sub) -> None:
 def launch_job(args, cfg):
     """The machines a bench spans (``--nnodes``, ``--node-rank``, ``--master``), checked once."""
     return launch.Job.from_args(args, cfg.dist.timeout_s, devices="cpu")
+
+
+def _rounds(args, cfg, specs: list[str], here: bool) -> tuple[list[str], list[dict]]:
+    """(the labels of the jobs, each round's results by label): every spec (with a pipeline config, every spec
+    and schedule) run in turn ``--rounds`` times, on this machine where it hosts the rendezvous (``here``)."""
+    from brickyard.tools import bench  # torch: this command's alone (cli/main.py: start-up time)
+    runs: dict[str, list[str]] = {spec: [] for spec in specs}  # label: the spec's settings of its own
+    if cfg.dist.pipeline.stages > 1:  # each schedule a job of its own, side by side in the table
+        runs = {f"{spec} {s}": [f"dist.pipeline.schedule={s}"] for spec in specs for s in args.schedules}
+    labels = list(runs)
+    rounds: list[dict] = []
+    for k in range(args.rounds if here else 0):  # one machine: node 0 alone, the others wait
+        rounds.append({})
+        for label in labels if k % 2 == 0 else labels[::-1]:  # in turn, each spec first as often as last
+            rounds[-1][label] = r = bench.run_job(args, cfg, label.split(" ")[0], extra=runs[label])
+            print(f"--- devices {label}" + (f" (round {k + 1} of {args.rounds})" if args.rounds > 1 else "")
+                  + f"\n{bench.format_result(r)}", flush=True)
+    return labels, rounds
 
 
 def run(args) -> int:
@@ -49,6 +69,7 @@ def run(args) -> int:
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
     cfg = load_config(args.config or "mnist", overrides)  # before torch is imported
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
+    from brickyard.api import train_config
     from brickyard.files import write_json
     from brickyard.tools import bench
     if args.result:  # a job of one spec: in this process, or one torchrun job whose rank 0 writes the result
@@ -60,7 +81,7 @@ def run(args) -> int:
                 worker += ["--device", job.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", args.result]
                 return launch.run_torchrun(job, ["-m", "brickyard"] + worker, Path(args.result).parent)
             cfg = cfg.replace(**{"train.device": job.device})
-        r = bench.run_local(cfg, args.steps, args.warmup)
+        r = bench.measure(cfg, args.steps, args.warmup, Path(args.result).parent / "run", train_config)
         if dist.prints_errors():  # rank 0, and each machine's first worker: every node gets the figures
             write_json(Path(args.result), r)
         return 0
@@ -69,18 +90,12 @@ def run(args) -> int:
             r = bench.run_local(cfg.replace(**{"data.loader": kind}), args.steps, args.warmup)
             print(f"[{kind}] " + bench.format_result(r))
         return 0
-    specs = args.devices or ["cpu"]
+    specs = args.devices or ["cpu" if cfg.dist.pipeline.stages < 2 else f"cpu:{cfg.dist.pipeline.stages}"]
     job = launch_job(args, cfg)
     if args.rounds > 1 and job.nnodes > 1:
         raise BrickyardError("--rounds works on one machine; across machines run each spec once (--rounds 1).")
-    rounds = []
-    for k in range(args.rounds if job.hosts_rendezvous() else 0):  # one machine: node 0 alone, the others wait
-        rounds.append({})
-        for spec in specs if k % 2 == 0 else specs[::-1]:  # in turn, each spec first as often as last
-            rounds[-1][spec] = r = bench.run_job(args, cfg, spec)
-            print(f"--- devices {spec}" + (f" (round {k + 1} of {args.rounds})" if args.rounds > 1 else "")
-                  + f"\n{bench.format_result(r)}", flush=True)
-    results = bench.paired(rounds, specs) if rounds else []
+    labels, rounds = _rounds(args, cfg, specs, job.hosts_rendezvous())
+    results = bench.paired(rounds, labels) if rounds else []
     for i, spec in enumerate(specs if job.nnodes > 1 else []):  # spec i meets at --master's port + i
         host, _, port = job.master.rpartition(":")
         r = bench.run_job(args, cfg, spec, job.replace(master=f"{host}:{int(port) + i}"))
@@ -96,5 +111,5 @@ def run(args) -> int:
         print(f"wrote {out / 'bench.json'} and {out / 'scaling.png'}")
     elif args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.out) / "bench.json", {"results": {specs[0]: results[0][1]}})
+        write_json(Path(args.out) / "bench.json", {"results": {labels[0]: results[0][1]}})
     return 0

@@ -106,7 +106,6 @@ def pipeline_alone(dist, boost, train, data, optim) -> None:
     other = [key for on, key in (
         (dist.mode == "ps", "dist.mode: ps (the servers hold the whole model)"),
         (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
-        (dist.strategy == "fsdp", "dist.strategy: fsdp (sharding within a stage is not built yet)"),
         (train.grad_accum != 1, f"train.grad_accum: {train.grad_accum} (the microbatches are the accumulation)"),
         (bool(train.ema), "train.ema (each stage would average and save its own weights only)"),
         (bool(optim.l1), "optim.l1 (the pipeline's step adds no penalty yet)"),

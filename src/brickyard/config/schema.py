@@ -287,7 +287,7 @@ class PipelineConfig(Section):
     schedule: str = _opt("gpipe", choices=("gpipe", "1f1b"), doc="torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B")
     microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into; auto: 2 x stages")
     split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced as dist.pipeline.balance says")
-    balance: str = _opt("params", choices=("params", "time"), doc="where the stages are cut without a split: params (each stage near 1/N of the parameters) or time (of each block's forward and backward, measured on rank 0)")
+    balance: str = _opt("params", choices=("params", "time", "memory"), doc="where the stages are cut without a split: params (each stage near 1/N of the parameters), time (of each block's forward and backward, measured on rank 0) or memory (the largest stage's parameters, gradients, optimiser state and activations in flight as small as it can be; `brickyard memory` shows each stage's)")
 
     def microbatch_count(self) -> int:  # auto: 2 x stages, so each stage has a second microbatch to work on
         return 2 * self.stages if self.microbatches == "auto" else int(self.microbatches)

@@ -34,9 +34,10 @@ from brickyard.models import find_blocks
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def shard(model: nn.Module, d, precision: str, device: torch.device) -> list[str]:
+def shard(model: nn.Module, d, precision: str, device: torch.device, mesh=None, root: nn.Module | None = None) -> list[str]:
     """``fully_shard`` the blocks ``d.fsdp.blocks`` picks, then the root (``d`` is the config's ``dist``);
-    returns the blocks' names. Call it before the optimiser is built: the parameters are replaced."""
+    returns the blocks' names. Call it before the optimiser is built: the parameters are replaced. ``root``: a
+    part of ``model`` (a pipeline's stage) whose blocks and itself are sharded, over ``mesh`` (its replicas)."""
     # start-up: see _loaded
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     names = find_blocks(model, d.fsdp.blocks, "dist.fsdp.blocks")
@@ -46,11 +47,22 @@ def shard(model: nn.Module, d, precision: str, device: torch.device) -> list[str
         "offload_policy": CPUOffloadPolicy() if d.fsdp.offload and device.type == "cuda" else OffloadPolicy(),
         "reshard_after_forward": None if d.fsdp.reshard_after_forward else False,
     }
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     modules = dict(model.named_modules())
+    if root is not None:
+        inside = {id(m) for m in root.modules()}
+        names = [n for n in names if id(modules[n]) in inside]
     for name in names:
         fully_shard(modules[name], **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model if root is None else root, **kwargs)
     return names
+
+
+def group_mesh(group, device: torch.device):
+    """A one-dimensional ``DeviceMesh`` of the processes of ``group`` (a pipeline stage's replicas)."""
+    from torch.distributed.device_mesh import DeviceMesh  # start-up: see _loaded
+    return DeviceMesh.from_group(group, device.type)
 
 
 class FSDPSync(GradSync):

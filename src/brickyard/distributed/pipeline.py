@@ -16,8 +16,10 @@ under the model's own names, so a checkpoint holds the whole model as one proces
 
 Balance: the cut points are chosen by parameter count (each stage as close to 1/N of the parameters as the
 block boundaries allow), or with ``dist.pipeline.balance: time`` by the time of each piece's forward and backward
-pass, measured once on rank 0 on a probe microbatch and shared (``timed_cuts``); ``dist.pipeline.split`` names
-them instead.
+pass, measured once on rank 0 on a probe microbatch and shared (``timed_cuts``), or with ``balance: memory`` so that
+the stage holding the most holds as little as the boundaries allow: parameters, gradients and optimiser state
+counted, each piece's saved activations of a microbatch measured, times the microbatches the schedule keeps in
+flight on that stage (``memory_cuts``); ``dist.pipeline.split`` names them instead.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from brickyard.distributed.fsdp import full
 from brickyard.errors import ConfigError
 
 
@@ -97,6 +100,68 @@ def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3)
     return _balanced(seconds, stages)
 
 
+def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int) -> list[int]:
+    """Where ``dist.pipeline`` (``p``) cuts ``model``: at its split points, by parameter count, or balanced by time or
+    by memory measured on the probe microbatch ``x`` (under the caller's autocast)."""
+    if p.split or p.balance == "params":
+        return cuts(model, p.stages, p.split)
+    cuts(model, p.stages)  # more stages than pieces: its sentence
+    if p.balance == "time":
+        return timed_cuts(model, p.stages, x)
+    m = p.microbatch_count()
+    return memory_cuts(model, p.stages, x, state_copies, lambda i: in_flight(p.schedule, m, p.stages, i))
+
+
+def in_flight(schedule: str, microbatches: int, stages: int, index: int) -> int:
+    """Microbatches whose activations stage ``index`` holds at once: all of them under GPipe (every forward before
+    the first backward), at most ``stages - index`` under 1F1B (``Schedule1F1B``'s warm-up forwards)."""
+    return min(microbatches, stages - index) if schedule == "1f1b" and microbatches >= stages else microbatches
+
+
+def memory_cuts(model: nn.Module, stages: int, x: torch.Tensor, state_copies: int, flight) -> list[int]:
+    """The piece index each stage begins at, so that the largest stage's memory is least: each piece's parameters,
+    their gradients and ``state_copies`` optimiser copies (counted), and the activations autograd saves in its
+    forward of the probe microbatch ``x`` (measured on a copy of ``model`` in training mode, the random state left
+    as it was), times ``flight(i)``, the microbatches stage i holds at once."""
+    probe, fixed, saved, h = copy.deepcopy(model).train(), [], [], x
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        for _, piece in pieces(probe):
+            h = h.detach().requires_grad_(h.is_floating_point())
+            held, h = saved_bytes(piece, h)
+            grads = sum(q.numel() * q.element_size() for q in piece.parameters() if q.requires_grad)
+            fixed.append(sum(q.numel() * q.element_size() for q in piece.parameters()) + grads * (1 + state_copies))
+            saved.append(held)
+    return _least_largest(lambda i, a, b: sum(fixed[a:b]) + sum(saved[a:b]) * flight(i), len(fixed), stages)
+
+
+def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(bytes autograd saves in ``module``'s forward of ``x``, beside its parameters and ``x``; the output,
+    detached). Runs the backward pass too, and leaves no gradient behind."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    own = {q.untyped_storage().data_ptr() for q in module.parameters()} | {x.untyped_storage().data_ptr()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    y.float().sum().backward()
+    module.zero_grad(set_to_none=True)
+    return sum(v for k, v in seen.items() if k not in own), y.detach()
+
+
+def _least_largest(cost, n: int, stages: int) -> list[int]:
+    """Stage starts over ``n`` pieces minimising the largest ``cost(stage, first piece, end)`` (each stage one piece
+    or more): the textbook linear-partition dynamic programme, O(stages x n^2) calls of ``cost``."""
+    best = {(0, b): (cost(0, 0, b), [0]) for b in range(1, n + 1)}  # (stages so far - 1, end) -> (largest, starts)
+    for i in range(1, stages):
+        for b in range(i + 1, n + 1):
+            best[i, b] = min(((max(best[i - 1, a][0], cost(i, a, b)), best[i - 1, a][1] + [a]) for a in range(i, b)),
+                             key=lambda t: t[0])
+    return best[stages - 1, n][1]
+
+
 def _whole(names: list[str], begins: list[int]) -> bool:
     """Whether the pieces at ``begins`` are consecutive: a module made of several pieces, cut before its first."""
     return begins == list(range(begins[0], begins[0] + len(begins)))
@@ -133,13 +198,32 @@ class _Dense(nn.Module):
         return x.contiguous()
 
 
-def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the input stage ``index`` receives, its output) for the microbatch ``x``: the shapes and dtypes torch's
-    ``PipelineStage`` takes as ``input_args`` / ``output_args``, so that it infers none itself. (Its inference runs
-    a stage's forward in training mode on an uninitialised input, which batch norm would count in its running
-    statistics: ``_forward_metadata_inference`` in torch/distributed/pipelining/stage.py.) Computed here through
-    the model's own pieces, which every rank holds, without a gradient and in evaluation mode (no statistic or
-    random draw changes), each module's mode restored after."""
+def release_others(model: nn.Module, stage: nn.Module) -> nn.Module:
+    """Free what ``model`` holds outside ``stage`` (the other stages' parameters and buffers move to the meta
+    device, which keeps shapes and no memory), after a copy of the whole model on the meta device is made:
+    returned, for ``examples``. The model keeps its names, shapes and parameter count for the run's log and the
+    checkpoint's checks; its state is gathered from the stages (``gather_state``)."""
+    shapes = copy.deepcopy(model).to("meta")
+    keep = {id(t) for t in (*stage.parameters(), *stage.buffers())}  # tensor by tensor: a piece may be made anew
+    for module in model.modules():                                    # at each call (a ViT's head of norm and fc)
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in keep:
+                setattr(module, name, nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if id(b) not in keep:
+                setattr(module, name, b.to("meta"))
+    return shapes
+
+
+def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input stage ``index`` receives, its output) for the microbatch ``x``, on ``device``: the shapes and
+    dtypes torch's ``PipelineStage`` takes as ``input_args`` / ``output_args``, so that it infers none itself. (Its
+    inference runs a stage's forward in training mode on an uninitialised input, which batch norm would count in
+    its running statistics: ``_forward_metadata_inference`` in torch/distributed/pipelining/stage.py.) Computed
+    through ``model``'s pieces on the meta device (``release_others``'s copy: shapes, no arithmetic) without a
+    gradient and in evaluation mode, each module's mode restored after; the values are zeros."""
+    x = x.to("meta")
     parts = pieces(model)
     end = starts[index + 1] if index + 1 < len(starts) else len(parts)
     modes = [(m, m.training) for m in model.modules()]
@@ -155,7 +239,8 @@ def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -
     finally:
         for m, mode in modes:
             m.training = mode
-    return received.contiguous(), h.contiguous()  # as sent (``_Dense``)
+    return (torch.zeros(received.shape, dtype=received.dtype, device=device),  # dense, as sent (``_Dense``)
+            torch.zeros(h.shape, dtype=h.dtype, device=device))
 
 
 class _Copy(nn.Module):
@@ -181,12 +266,13 @@ def gather_state(stage: nn.Module, names: dict[str, str], order: list[str], opti
     One process's ``optimizer.state_dict()`` numbers the parameters through its groups in order; the stages'
     states are keyed by name here and numbered that way, so a run of any layout (one process, FSDP, other
     stages) reads the optimiser state of this one, and this one reads theirs (``stage_optimizer_state``)."""
-    mine = {names[k]: v.detach().cpu() for k, v in stage.state_dict().items()}
+    mine = {names[k]: full(v).detach().cpu() for k, v in stage.state_dict().items()}  # FSDP's shards gathered
     sd = optimizer.state_dict()
     states, hyper = {}, {}
     for g, whole, held in zip(sd["param_groups"], groups.kept, groups.held):
         hyper[whole] = {k: v for k, v in g.items() if k != "params"}
-        states.update({name: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd["state"][i].items()}
+        states.update({name: {k: full(v).detach().cpu() if isinstance(v, torch.Tensor) else v
+                              for k, v in sd["state"][i].items()}
                        for i, name in zip(g["params"], held) if i in sd["state"]})  # on the host: pickled to the others
     parts: list = [None] * tdist.get_world_size(group)
     tdist.all_gather_object(parts, (mine, states, hyper), group=group)
@@ -239,13 +325,15 @@ class Groups:
     held: list[list[str]]
 
 
-def held_groups(groups: list[dict], stage: nn.Module) -> tuple[list[dict], Groups]:
-    """The whole model's optimiser ``groups`` (each with ``names``) cut to the parameters ``stage`` holds; groups
-    left empty are dropped."""
-    own = {id(p) for p in stage.parameters()}
+def held_groups(groups: list[dict], stage: nn.Module, names: dict[str, str]) -> tuple[list[dict], Groups]:
+    """The whole model's optimiser ``groups`` (each with ``names``) cut to the parameters ``stage`` holds, found by
+    name (``names``: the stage's to the model's) and taken from the stage: FSDP replaces a stage's parameters with
+    its own, which a piece made anew for the stage (a ViT's tokens) holds while the model keeps the old ones.
+    Groups left empty are dropped."""
+    own = {names[k]: p for k, p in stage.named_parameters()}
     cut, kept = [], []
     for i, g in enumerate(groups):
-        mine = [(n, p) for n, p in zip(g["names"], g["params"]) if id(p) in own]
+        mine = [(n, own[n]) for n in g["names"] if n in own]
         if mine:
             cut.append({**g, "names": [n for n, _ in mine], "params": [p for _, p in mine]})
             kept.append(i)

@@ -3,6 +3,7 @@ the update interface through which a step changes the weights (the optimiser, th
 and dimension reduction's P-BFGS all implement it)."""
 from brickyard.optim.optimizers import (  # noqa: F401  (re-exported)
     SGD,
+    STATE_COPIES,
     Adam,
     Schedule,
     build_optimizer,

@@ -18,6 +18,10 @@ import torch
 
 from brickyard.errors import ConfigError
 
+# tensors of optimiser state each parameter's gradient is matched by, by optim.name (momentum: its buffer; Adam:
+# the two moments), for the estimates of `brickyard memory` and the pipeline's memory balance
+STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
+
 
 def build_optimizer(cfg, params):
     """``cfg`` is an ``OptimConfig``; ``params`` parameters or groups (each may carry ``lr_mult``)."""

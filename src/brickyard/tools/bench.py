@@ -45,6 +45,7 @@ from brickyard.observe.profiling import StepProfiler
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import device as dev
 from brickyard.training import precision
+from brickyard.training.ways import name_of
 from brickyard.training.ways.collective import grad_sync
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
@@ -55,6 +56,15 @@ SUPERLINEAR = 1.15  # scaling efficiency above this is a measurement problem, an
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def measure(cfg, steps: int, warmup: int, run_dir: Path, train) -> dict:
+    """This process's share of the bench of ``cfg``: bench's own step taken apart (``run_local``), or for a way of
+    ``TRAINED`` the trainer's step (``run_trained``: ``train`` is ``api.train_config``, with its run directory in
+    ``run_dir``)."""
+    if name_of(cfg) in TRAINED:
+        return run_trained(cfg, steps, warmup, run_dir, train)
+    return run_local(cfg, steps, warmup)
 
 
 def run_local(cfg, steps: int, warmup: int, window: int = 10) -> dict:
@@ -195,6 +205,65 @@ def _endless(loader):
         epoch += 1
 
 
+TRAINED = ("pipeline", "tensor_parallel", "fsdp")  # ways whose step is the trainer's own, not bench's pass A and B
+
+
+def run_trained(cfg, steps: int, warmup: int, run_dir: Path, train, window: int = 10) -> dict:
+    """A layout whose step bench does not take apart (pipeline stages, tensor parallel, FSDP): ``warmup + steps``
+    steps of a real training run (the trainer, as ``brickyard train`` runs it, nothing evaluated but a batch of the
+    test split at the end), images/s the median over windows of ``window`` steps after the warm-up, read from its
+    per-step rows, and for a pipeline each rank's stage compute against its step (summary.json's ``pipeline``,
+    timed by ``distributed.pipeline.StageClock`` after the trainer's first 2 steps)."""
+    run_cfg = cfg.replace(**{"train.max_steps": warmup + steps, "train.epochs": 0, "train.log_every": 1,
+                             "train.eval_every": 0, "data.eval_limit": cfg.data.eval_batch_size, "train.plots": False,
+                             "train.loggers": [], "train.tensorboard": False, "train.progress": "none",
+                             "checkpoint.every_epoch": False, "checkpoint.keep_best": False})
+    info = dist.from_env()
+    summary = train(run_cfg, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    ips = [r["images_per_second"] for r in rows if r.get("kind") == "train" and r["step"] > warmup]
+    windows = [statistics.fmean(ips[i:i + window]) for i in range(0, len(ips) - window + 1, window)] or ips or [0.0]
+    p = cfg.dist.pipeline
+    result = {"way": name_of(cfg), "images_per_second": statistics.median(windows), "images_per_second_min": min(windows),
+              "images_per_second_max": max(windows), "world_size": info.world_size, "steps": steps, "warmup": warmup,
+              "global_batch": step_batch(cfg.data, cfg.train.grad_accum, max(1, info.world_size // p.stages)),
+              "model": cfg.model.name, "data": cfg.data.name, "device": summary.get("device", ""),
+              "precision": summary.get("precision", cfg.train.precision), "pipeline": summary.get("pipeline")}
+    result.update({k: v for k, v in summary.items() if k.startswith("peak_") or k == "held_per_rank"})
+    if result["pipeline"]:
+        idle = [r["idle"] for r in result["pipeline"]["ranks"] if r and r["idle"] is not None]
+        m, s = result["pipeline"]["microbatches"], p.stages
+        result["pipeline"]["textbook_bubble"] = (s - 1) / (m + s - 1)
+        result["verdict"] = (f"pipeline idle {100 * statistics.fmean(idle):.0f}% of a step (mean over ranks; the "
+                             f"schedule's own bubble {100 * (s - 1) / (m + s - 1):.0f}%)") if idle else "pipeline"
+    else:
+        result["verdict"] = f"{result['way']}: throughput of the trainer's own step"
+    return result
+
+
+def format_trained(r: dict) -> str:
+    """``run_trained``'s result: throughput, and each pipeline stage's compute and idle time."""
+    lines = [f"{r['model']} on {r['data']}, {r['device']}, precision {r['precision']}, world size {r['world_size']}, "
+             f"global batch {r['global_batch']}, {r['way']} (the trainer's step: {r['warmup']} warm-up + {r['steps']} timed steps)",
+             f"images/s {r['images_per_second']:,.0f} (min {r['images_per_second_min']:,.0f}, max "
+             f"{r['images_per_second_max']:,.0f}); rank 0 held {_mib(r.get('held_per_rank'))}, "
+             + ", ".join(f"{k} {v:,.0f}" for k, v in r.items() if k.startswith("peak_"))]
+    pipe = r.get("pipeline")
+    if pipe:
+        lines.append(f"schedule {pipe['schedule']}, {pipe['microbatches']} microbatches: the schedule's own bubble "
+                     f"(S - 1) / (M + S - 1) is {100 * pipe['textbook_bubble']:.1f}% of a step")
+        for row in pipe["ranks"]:
+            if row and row["idle"] is not None:
+                lines.append(f"  stage {row['stage']}, replica {row['replica']}: computes {row['busy_ms']:.1f} ms of each "
+                             f"{row['step_ms']:.1f} ms step, idle {100 * row['idle']:.1f}%")
+    return "\n".join(lines + [f"verdict: {r['verdict']}"])
+
+
+def _mib(held: dict | None) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f} MiB" for k, v in (held or {}).items()) or "?"
+
+
 def verdict(r: dict) -> str:
     ms = r["step_ms"]
     total = max(ms["total"], 1e-9)
@@ -208,6 +277,8 @@ def verdict(r: dict) -> str:
 
 
 def format_result(r: dict) -> str:
+    if "way" in r:
+        return format_trained(r)
     ms = r["step_ms"]
     mem = ", ".join(f"{k} {v:,.0f}" for k, v in r.items() if k.startswith("peak_"))
     return "\n".join([
@@ -270,13 +341,13 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
             [100 * r["efficiency"] for r in rows], path)
 
 
-def run_job(args, cfg, spec: str, nodes=None) -> dict:
+def run_job(args, cfg, spec: str, nodes=None, extra=()) -> dict:
     """Run one device spec as its own process(es) and return rank 0's result; with ``nodes`` (a
     ``launch.Job`` of several machines) as one torchrun job across them."""
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "result.json"
         argv = [sys.executable, "-m", "brickyard", "bench"] + ([args.config] if args.config else [])
-        for item in args.overrides:
+        for item in [*args.overrides, *extra]:
             argv += ["--set", item]
         argv += ["--devices", spec, "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result)]
         if nodes is not None:

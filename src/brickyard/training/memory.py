@@ -28,12 +28,11 @@ from brickyard.data.loaders import device_batches, readers_of
 from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.metrics import fmt
-from brickyard.optim import build_optimizer, param_groups
+from brickyard.optim import STATE_COPIES, build_optimizer, param_groups
 from brickyard.training import activation_checkpointing, ways
 from brickyard.training import device as dev
 from brickyard.training.precision import for_model
 
-STATE_COPIES = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adadelta": 2, "adam": 2, "adamw": 2}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -164,45 +163,39 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
 
 
 def stage_estimates(cfg, model, data, precision: str, batch: int) -> list[dict] | None:
-    """Per pipeline stage (``dist.pipeline.stages`` above 1), what each of its ranks holds: the stage's parameters,
-    gradients and optimiser state, counted, and its activations, measured on one microbatch (the inputs it
+    """Per pipeline stage (``dist.pipeline.stages`` above 1, cut where the run cuts it: ``pipeline.planned_cuts``),
+    what each of its ranks holds: the stage's parameters, gradients and optimiser state, counted, and its activations
+    (on a copy of the model), measured on one microbatch (the inputs it
     receives made by the stages before it) times the microbatches in flight at once: all of them under GPipe
     (every forward before the first backward), at most ``stages - i`` on stage i under 1F1B."""
     p = cfg.dist.pipeline
     if p.stages < 2:
         return None
     from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
-    starts, m = pp.cuts(model, p.stages, p.split), p.microbatch_count()
-    x = torch.randn(max(1, batch // m), data.in_channels, *data.image_size)
     copies, out = STATE_COPIES[cfg.optim.name], []
-    for i in range(p.stages):
-        stage = pp.stage_module(model, starts, i).train()
-        params = sum(q.numel() * q.element_size() for q in stage.parameters())
-        grads = sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad)
-        x = x.detach().requires_grad_(i > 0)
-        act, y = _saved_bytes(stage, x, precision)
-        flight = min(m, p.stages - i) if p.schedule == "1f1b" and m >= p.stages else m
-        out.append({"stage": i, "parameters": params, "gradients": grads, "optimizer_state": copies * grads,
-                    "activations_per_microbatch": act, "in_flight": flight,
-                    "total": params + grads + copies * grads + act * flight})
-        x = y
+    probe = copy_module.deepcopy(model)  # its batch norm statistics move: the model's are left as they were
+    with torch.random.fork_rng():
+        x = torch.randn(max(1, batch // p.microbatch_count()), data.in_channels, *data.image_size)
+        with dev.autocast(torch.device("cpu"), precision):
+            starts = pp.planned_cuts(model, p, x, copies)
+        for i in range(p.stages):
+            out.append(_stage_estimate(p, probe, starts, i, x, precision, copies))
+            x = out[-1].pop("output")
     return out
 
 
-def _saved_bytes(module, x: torch.Tensor, precision: str) -> tuple[int, torch.Tensor]:
-    """(bytes autograd saves in ``module``'s forward of ``x``, beside its parameters; the output)."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    own = {q.untyped_storage().data_ptr() for q in module.parameters()} | {x.untyped_storage().data_ptr()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dev.autocast(torch.device("cpu"), precision):
-        y = module(x)
-    y.float().sum().backward()
-    module.zero_grad(set_to_none=True)
-    return sum(v for k, v in seen.items() if k not in own), y.detach().float()
+def _stage_estimate(p, model, starts: list[int], i: int, x: torch.Tensor, precision: str, copies: int) -> dict:
+    """Stage ``i``'s row of ``stage_estimates``, with its output (the next stage's input) under ``output``."""
+    from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
+    stage = pp.stage_module(model, starts, i).train()
+    params = sum(q.numel() * q.element_size() for q in stage.parameters())
+    grads = sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad)
+    with dev.autocast(torch.device("cpu"), precision):
+        act, y = pp.saved_bytes(stage, x.detach().requires_grad_(i > 0))
+    flight = pp.in_flight(p.schedule, p.microbatch_count(), p.stages, i)
+    return {"stage": i, "first": pp.pieces(model)[starts[i]][0], "parameters": params, "gradients": grads,
+            "optimizer_state": copies * grads, "activations_per_microbatch": act, "in_flight": flight,
+            "total": params + grads + copies * grads + act * flight, "output": y.float()}
 
 
 def strategies(est: dict) -> list[tuple[str, float, float]]:
@@ -253,7 +246,7 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
         if device_memory:
             lines.append(f"  largest batch that fits without checkpointing: {largest_batch(without, device_memory):,}")
     for st in est.get("stages") or ():
-        lines.append(f"  pipeline stage {st['stage']}: parameters {fmt(st['parameters'])}, gradients "
+        lines.append(f"  pipeline stage {st['stage']} (from {st['first']}): parameters {fmt(st['parameters'])}, gradients "
                      f"{fmt(st['gradients'])}, optimiser state {fmt(st['optimizer_state'])}, activations "
                      f"{fmt(st['activations_per_microbatch'])} x {st['in_flight']} microbatches in flight: "
                      f"{fmt(st['total'])} a rank")

@@ -21,7 +21,15 @@ pipeline, parameters keyed by name and numbered as one process's groups number t
 resumes on one process, on other stages or replicas, or under FSDP, and the reverse (``distributed.pipeline``:
 ``gather_state``, ``stage_optimizer_state``). Batch norm sees microbatch statistics.
 
-Not built yet: tensor parallel, FSDP inside a stage, fp16's loss scaler, a ``train_step`` of the user's.
+With ``dist.strategy: fsdp`` each stage is sharded over its replicas, as torchtitan composes them
+(``torchtitan/distributed/pipeline_parallel.py``, ``pipeline_llm``: the model split into stage parts first, then
+``parallelize_fn``, its FSDP among them, applied to each part and the stage given the result): torch's
+``fully_shard`` on the stage's blocks and the stage, over a mesh of the stage's replica group, and
+``PipelineStage`` runs it (``torch/distributed/pipelining/stage.py``: ``backward_maybe_with_nosync`` turns the
+gradient sync off for each microbatch's backward, ``perform_reduce_grad`` reduce-scatters after the last), in
+place of the flat all-reduce; checkpoints gather the shards before the stages.
+
+Not built yet: tensor parallel inside a stage, fp16's loss scaler, a ``train_step`` of the user's.
 """
 from __future__ import annotations
 
@@ -32,9 +40,11 @@ import torch.distributed as tdist
 
 from brickyard.callbacks import Callback
 from brickyard.data.loaders import device_batches
+from brickyard.distributed import fsdp
 from brickyard.distributed import pipeline as pp
 from brickyard.distributed.gradsync import FlatGrads, GradSync
 from brickyard.errors import ConfigError
+from brickyard.optim import STATE_COPIES
 from brickyard.training import device as dev
 from brickyard.training.run import StepResult
 from brickyard.training.step import apply_update
@@ -51,8 +61,10 @@ class PipelineWay(Way):
         self.p = cfg.dist.pipeline
         self.replicas = max(1, info.world_size // self.p.stages)
         self.stage_index, self.replica = divmod(info.rank, self.replicas)
+        self.fsdp = cfg.dist.strategy == "fsdp" and self.replicas > 1  # each stage sharded over its replicas
         self.stage = None  # this rank's stage module, once cut
-        self.whole: torch.nn.Module | None = None
+        self.whole: torch.nn.Module | None = None  # the other stages' pieces on the meta device: nothing held
+        self.shapes: torch.nn.Module | None = None  # the whole model on the meta device, for the stages' shapes
         self.names: dict[str, str] = {}
         self.order: list[str] = []
         self.opt_groups: pp.Groups | None = None
@@ -114,31 +126,42 @@ class PipelineWay(Way):
         self.names, self.order = pp.own_names(model, self.stage), list(model.state_dict())
         self.device = host.device
         held, total = sum(p.numel() for p in self.stage.parameters()), sum(p.numel() for p in model.parameters())
+        self.shapes = pp.release_others(model, self.stage)
+        shards = ""
+        if self.fsdp:  # torch's PipelineStage runs an FSDP stage: gradients reduce-scattered after the last microbatch
+            blocks = fsdp.shard(model, self.cfg.dist, host.precision, host.device, fsdp.group_mesh(self.peers, host.device),
+                                root=self.stage)
+            shards = (f"; FSDP: shard {self.replica} of {self.replicas} of the stage ({len(blocks)} blocks and the "
+                      f"stage sharded), about {held // self.replicas:,} parameters held")
+        elif self.cfg.dist.strategy == "fsdp":
+            shards = "; dist.strategy: fsdp has one replica a stage to shard over: each stage trains whole"
         end = starts[i + 1] if i + 1 < len(starts) else len(parts)
         how = ("at dist.pipeline.split" if self.p.split else "balanced by parameter count" if self.p.balance == "params"
-               else "balanced by each block's measured time")
+               else f"balanced by each block's measured {self.p.balance}")
         place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
         log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
                  f"{held:,} of {total:,} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
-                 f"{self.p.schedule}; batch norm, if any, sees microbatch statistics")
+                 f"{self.p.schedule}; batch norm, if any, sees microbatch statistics{shards}")
         return self.stage
 
     def _starts(self, model, host, sample: tuple) -> list[int]:
-        """Where the stages begin: at the split points, by parameter count, or by the pieces' times, measured on
-        rank 0 (a microbatch of the data's shape) and shared, so that every rank cuts the model in the same place."""
+        """Where the stages begin: at the split points, by parameter count, or by the pieces' time or memory,
+        measured on rank 0 (a microbatch of the data's shape) and shared, so that every rank cuts the model in the
+        same place."""
         if self.p.split or self.p.balance == "params" or not self.info.distributed or not sample:
             return pp.cuts(model, self.p.stages, self.p.split)
         starts: list[int] = []
         if self.info.rank == 0:
             batch = max(device_batches(self.cfg.data, 1, self.replicas)) // self.p.microbatch_count()
             x = torch.randn(max(1, batch), *sample, device=host.device)
-            starts = pp.timed_cuts(model, self.p.stages, x)
+            with dev.autocast(host.device, self.cfg.train.precision if self.cfg.train.precision != "auto" else "fp32"):
+                starts = pp.planned_cuts(model, self.p, x, STATE_COPIES[self.cfg.optim.name])
         box = [starts]
         tdist.broadcast_object_list(box, src=0)
         return list(box[0])
 
     def held_groups(self, groups, module):
-        cut, self.opt_groups = pp.held_groups(groups, module)
+        cut, self.opt_groups = pp.held_groups(groups, module, self.names)
         return cut
 
     def whole_model(self, model):
@@ -153,7 +176,8 @@ class PipelineWay(Way):
                 m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-            received, sent = pp.examples(self.whole_model(self.stage), self.starts, self.stage_index, x[:n // m])
+            assert self.shapes is not None  # made when the model was cut (shard)
+            received, sent = pp.examples(self.shapes, self.starts, self.stage_index, x[:n // m], self.device)
             if train:  # what carries a gradient between the stages (the metadata says so: gradients are sent back)
                 received = received.requires_grad_(self.stage_index > 0 and received.is_floating_point())
                 sent = sent.requires_grad_(sent.is_floating_point())
@@ -204,16 +228,20 @@ class PipelineWay(Way):
         return StepResult(loss_sum / len(y), (x, y), len(y) * self.replicas, data_wait)
 
     def clip(self, optimizer, max_norm: float) -> None:
-        """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce in the pipeline)."""
+        """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce in the pipeline; with
+        FSDP, the squares of a stage's shards summed over its replicas first)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
+        local = [g.to_local() if fsdp.is_dtensor(g) else g for g in grads]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros((), device=self.device)
+        if self.fsdp:
+            tdist.all_reduce(sq, group=self.peers)
         tdist.all_reduce(sq, group=self.pipe)
         coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        for g in grads:
+        for g in local:
             g.mul_(coef.to(g.dtype))
 
     def grad_sync(self, model, device, group, own_cores):
-        sync = FlatGrads(model, self.peers, spin=own_cores) if self.replicas > 1 else GradSync()
+        sync = FlatGrads(model, self.peers, spin=own_cores) if self.replicas > 1 and not self.fsdp else GradSync()
         return _Forward(self, model), sync
 
     def full_state(self, model, optimizer):
@@ -223,8 +251,8 @@ class PipelineWay(Way):
     def load_state(self, model, optimizer, state) -> None:
         assert self.opt_groups is not None
         own = state["model"]
-        model.load_state_dict({k: own[v] for k, v in self.names.items()})
-        optimizer.load_state_dict(pp.stage_optimizer_state(state["optimizer"], self.opt_groups))
+        fsdp.load_model_state(model, {k: own[v] for k, v in self.names.items()})  # FSDP: this rank's shards
+        fsdp.load_optimizer_state(optimizer, pp.stage_optimizer_state(state["optimizer"], self.opt_groups))
 
     def callbacks(self, run, update, writer):
         return [_StageTimes(self)]
@@ -233,7 +261,7 @@ class PipelineWay(Way):
         return "dist.pipeline.stages sends activations between the stages, which is not captured"
 
     def summary_name(self, world):
-        return "pipeline"
+        return "pipeline+fsdp" if self.fsdp else "pipeline"
 
 
 class _Forward(torch.nn.Module):
