@@ -202,9 +202,10 @@ for argv in json.loads(sys.argv[1]):
 
 
 def run_cli_many(*commands, env=None, timeout=600, cwd=None):
-    """Run each of ``commands`` (argument lists of `brickyard`) in turn through ``cli.main.main`` in ONE real
-    process, torch imported once instead of once a command; returns a CompletedProcess-like object per command
-    (returncode, stdout, stderr captured apart). For commands whose process itself is not what a test checks."""
+    """Run each of ``commands`` (argument lists of `brickyard`) in turn: each a process forked from the warm
+    interpreter (``run_cli``), or with ``BRICKYARD_TESTS_COLD=1`` all through ``cli.main.main`` in one cold process,
+    torch imported once instead of once a command; returns a CompletedProcess-like object per command (returncode,
+    stdout, stderr captured apart), ``timeout`` each. For commands whose process itself is not what a test checks."""
     import json
     from types import SimpleNamespace
     full_env = dict(os.environ)

@@ -34,7 +34,10 @@ import brickyard
 for m in pkgutil.walk_packages(brickyard.__path__, "brickyard."):
     if not m.name.endswith(".__main__"):  # `python -m brickyard.config` writes a table
         __import__(m.name)
-import torch.utils.tensorboard
+try:
+    import torch.utils.tensorboard  # every run writes its events (the [viz] extra)
+except ImportError:
+    pass
 print("ready", flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -66,6 +69,7 @@ def load_time(env: dict[str, str]) -> tuple:
 
 
 _servers: dict[tuple, Server] = {}
+_servers_lock = threading.Lock()
 
 
 def run(args, env: dict[str, str], timeout: float, cwd) -> subprocess.CompletedProcess | None:
@@ -74,11 +78,17 @@ def run(args, env: dict[str, str], timeout: float, cwd) -> subprocess.CompletedP
     if env.get("BRICKYARD_TESTS_COLD") == "1":
         return None
     key = load_time(env)
-    if key not in _servers:
-        while len(_servers) >= KEEP:
-            _servers.pop(next(iter(_servers))).close()
-        _servers[key] = Server(env)
-    return _servers[key].run(args, env, timeout, cwd)
+    with _servers_lock:
+        if key not in _servers:
+            if os.environ.get("BRICKYARD_TESTS_WARM_LOG"):  # which load-time variables made another server
+                with open(os.environ["BRICKYARD_TESTS_WARM_LOG"], "a") as f:
+                    f.write(f"{os.getpid()} {sorted(set(key) - set(next(iter(_servers), ())))}\n")
+            idle = [k for k, s in _servers.items() if not s.lock.locked()]
+            if len(_servers) >= KEEP and idle:
+                _servers.pop(idle[0]).close()
+            _servers[key] = Server(env)
+        server = _servers[key]
+    return server.run(args, env, timeout, cwd)
 
 
 class Server:
@@ -108,14 +118,25 @@ class Server:
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, bufsize=0, env=self.env, cwd=tempfile.gettempdir())
-            if self.line() != "ready":
-                raise RuntimeError(f"the warm interpreter did not start (exit {self.proc.wait()})")
+            first = self.line(300)
+            if first != "ready":
+                self.kill()
+                raise RuntimeError(f"the warm interpreter did not start (it said {first!r})")
         return self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc is not None:
             self.proc.stdin.close()  # its loop ends at the end of its input
             self.proc.wait()
+            self.proc = None
+
+    def kill(self) -> None:
+        """End the server where its answers can no longer be read in step (a command interrupted mid-way): the
+        next command starts a new one."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc, self.pending = None, b""
 
     def run(self, args, env: dict[str, str], timeout: float, cwd) -> subprocess.CompletedProcess | None:
         if not self.lock.acquire(blocking=False):  # a second thread's command goes cold
@@ -129,17 +150,25 @@ class Server:
                 open(err, "w").close()
                 request = {"args": [str(a) for a in args], "env": env, "cwd": str(cwd or os.getcwd()),
                            "out": out, "err": err}
-                data = (json.dumps(request) + "\n").encode()
-                while data:
-                    data = data[os.write(self.proc.stdin.fileno(), data):]
-                pid = int(self.line())
-                code = self.line(timeout)
-                if code is None:  # as subprocess.run's timeout: kill the command, then say so
-                    os.kill(pid, signal.SIGKILL)
-                    self.line()
-                    raise subprocess.TimeoutExpired(["brickyard", *args], timeout)
+                try:
+                    code = self._exchange(request, timeout)
+                except BaseException:  # a timeout, Ctrl-C: its answers are out of step now
+                    self.kill()
+                    raise
                 with open(out) as f_out, open(err) as f_err:
-                    return subprocess.CompletedProcess(["brickyard", *args], int(code), f_out.read(), f_err.read())
+                    return subprocess.CompletedProcess(["brickyard", *args], code, f_out.read(), f_err.read())
         finally:
             self.lock.release()
+
+    def _exchange(self, request: dict, timeout: float) -> int:
+        """Send one command; its exit status (``subprocess.TimeoutExpired`` past ``timeout``, the command killed)."""
+        data = (json.dumps(request) + "\n").encode()
+        while data:
+            data = data[os.write(self.proc.stdin.fileno(), data):]
+        pid = int(self.line(60))
+        code = self.line(timeout)
+        if code is None:  # as subprocess.run's timeout: kill the command, then say so
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(["brickyard", *request["args"]], timeout)
+        return int(code)
 

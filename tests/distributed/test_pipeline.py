@@ -222,8 +222,9 @@ def test_a_train_step_of_ones_own_is_one_sentence_before_anything_runs():
 @pytest.mark.fast
 def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were():
     """torch's own shape inference would run a later stage's forward in training mode on an uninitialised input,
-    into its batch norm's running statistics: the stages are given their shapes instead, computed on the meta
-    device. Each rank then holds its stage's parameters and buffers only: the other stages' are freed."""
+    into its batch norm's running statistics: the stages are given their shapes and dtypes instead, computed once
+    through the model in evaluation mode under the run's autocast. Each rank then holds its stage's parameters and
+    buffers only: the other stages' are freed."""
     import copy
 
     from brickyard.distributed import pipeline as pp
@@ -237,13 +238,15 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
     stage = pp.stage_module(model, starts, 1)
     names = pp.own_names(model, stage)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    shapes = pp.release_others(model, stage)
     x = torch.randn(4, 1, 28, 28)
-    received, sent = pp.examples(shapes, starts, 1, x, torch.device("cpu"))
+    with torch.autocast("cpu", torch.bfloat16):  # the dtypes the run's forward passes make
+        io = pp.io(model, starts, 1, x[:2])
+    pp.release_others(model, stage)
+    received, sent = io.batch(4, torch.device("cpu"))
     with torch.no_grad():
         first = pp.stage_module(reference, starts, 0)(x)
         assert received.shape == first.shape and sent.shape == pp.stage_module(reference, starts, 1)(first).shape == (4, 10)
-    assert received.device.type == sent.device.type == "cpu" and not received.requires_grad
+    assert received.dtype == torch.bfloat16 and not received.requires_grad  # a convolution's output under autocast
     own = set(names.values())
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in own) and all(after[k].is_meta for k in after if k not in own)
@@ -254,9 +257,10 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
 
 def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(tmp_path):
     """fashion_lean as the Fashion-MNIST presets train it (its first convolution whitened from the data, test-time
-    flips): the log describes the whole model, and the permuted activation the first stage sends is made dense."""
+    flips), in bf16 (the activation sent between the stages is bf16: the stages are told so): the log describes the
+    whole model, and the permuted activation the first stage sends is made dense."""
     r = train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=3",
-               "train.precision=fp32", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
+               "train.precision=bf16", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
     log = (tmp_path / "r" / "train.log").read_text()
     assert "test accuracy:" in r.stdout and "whiten" in log and "model fashion_lean (" in log
 

@@ -100,16 +100,17 @@ def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3)
     return _balanced(seconds, stages)
 
 
-def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int) -> list[int]:
+def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int, shards: int = 1) -> list[int]:
     """Where ``dist.pipeline`` (``p``) cuts ``model``: at its split points, by parameter count, or balanced by time or
-    by memory measured on the probe microbatch ``x`` (under the caller's autocast)."""
+    by memory measured on the probe microbatch ``x`` (under the caller's autocast; ``shards``: FSDP's shards of a
+    stage, over which its parameters, gradients and optimiser state are divided)."""
     if p.split or p.balance == "params":
         return cuts(model, p.stages, p.split)
     cuts(model, p.stages)  # more stages than pieces: its sentence
     if p.balance == "time":
         return timed_cuts(model, p.stages, x)
     m = p.microbatch_count()
-    return memory_cuts(model, p.stages, x, state_copies, lambda i: in_flight(p.schedule, m, p.stages, i))
+    return memory_cuts(model, p.stages, x, state_copies, lambda i: in_flight(p.schedule, m, p.stages, i), shards)
 
 
 def in_flight(schedule: str, microbatches: int, stages: int, index: int) -> int:
@@ -118,18 +119,18 @@ def in_flight(schedule: str, microbatches: int, stages: int, index: int) -> int:
     return min(microbatches, stages - index) if schedule == "1f1b" and microbatches >= stages else microbatches
 
 
-def memory_cuts(model: nn.Module, stages: int, x: torch.Tensor, state_copies: int, flight) -> list[int]:
+def memory_cuts(model: nn.Module, stages: int, x: torch.Tensor, state_copies: int, flight, shards: int = 1) -> list[int]:
     """The piece index each stage begins at, so that the largest stage's memory is least: each piece's parameters,
     their gradients and ``state_copies`` optimiser copies (counted), and the activations autograd saves in its
     forward of the probe microbatch ``x`` (measured on a copy of ``model`` in training mode, the random state left
-    as it was), times ``flight(i)``, the microbatches stage i holds at once."""
+    as it was), times ``flight(i)``, the microbatches stage i holds at once; the first three divided by ``shards``."""
     probe, fixed, saved, h = copy.deepcopy(model).train(), [], [], x
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         for _, piece in pieces(probe):
             h = h.detach().requires_grad_(h.is_floating_point())
             held, h = saved_bytes(piece, h)
             grads = sum(q.numel() * q.element_size() for q in piece.parameters() if q.requires_grad)
-            fixed.append(sum(q.numel() * q.element_size() for q in piece.parameters()) + grads * (1 + state_copies))
+            fixed.append((sum(q.numel() * q.element_size() for q in piece.parameters()) + grads * (1 + state_copies)) / shards)
             saved.append(held)
     return _least_largest(lambda i, a, b: sum(fixed[a:b]) + sum(saved[a:b]) * flight(i), len(fixed), stages)
 
@@ -198,12 +199,10 @@ class _Dense(nn.Module):
         return x.contiguous()
 
 
-def release_others(model: nn.Module, stage: nn.Module) -> nn.Module:
-    """Free what ``model`` holds outside ``stage`` (the other stages' parameters and buffers move to the meta
-    device, which keeps shapes and no memory), after a copy of the whole model on the meta device is made:
-    returned, for ``examples``. The model keeps its names, shapes and parameter count for the run's log and the
-    checkpoint's checks; its state is gathered from the stages (``gather_state``)."""
-    shapes = copy.deepcopy(model).to("meta")
+def release_others(model: nn.Module, stage: nn.Module) -> None:
+    """Free what ``model`` holds outside ``stage``: the other stages' parameters and buffers move to the meta device,
+    which keeps shapes and no memory. The model keeps its names, shapes and parameter count for the run's log and
+    the checkpoint's checks; its state is gathered from the stages (``gather_state``)."""
     keep = {id(t) for t in (*stage.parameters(), *stage.buffers())}  # tensor by tensor: a piece may be made anew
     for module in model.modules():                                    # at each call (a ViT's head of norm and fc)
         for name, p in list(module.named_parameters(recurse=False)):
@@ -212,18 +211,36 @@ def release_others(model: nn.Module, stage: nn.Module) -> nn.Module:
         for name, b in list(module.named_buffers(recurse=False)):
             if id(b) not in keep:
                 setattr(module, name, b.to("meta"))
-    return shapes
 
 
-def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the input stage ``index`` receives, its output) for the microbatch ``x``, on ``device``: the shapes and
-    dtypes torch's ``PipelineStage`` takes as ``input_args`` / ``output_args``, so that it infers none itself. (Its
-    inference runs a stage's forward in training mode on an uninitialised input, which batch norm would count in
-    its running statistics: ``_forward_metadata_inference`` in torch/distributed/pipelining/stage.py.) Computed
-    through ``model``'s pieces on the meta device (``release_others``'s copy: shapes, no arithmetic) without a
-    gradient and in evaluation mode, each module's mode restored after; the values are zeros."""
-    x = x.to("meta")
+@dataclass(frozen=True)
+class Io:
+    """What stage ``index`` receives and sends for one sample: shapes (the batch dimension left out) and dtypes, as
+    its forward under the run's autocast makes them (``io``)."""
+    received: tuple[tuple[int, ...], torch.dtype]
+    sent: tuple[tuple[int, ...], torch.dtype]
+
+    def batch(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeros of ``n`` samples, as ``PipelineStage`` takes them for ``input_args`` and ``output_args``."""
+        (r_shape, r_dtype), (s_shape, s_dtype) = self.received, self.sent
+        return (torch.zeros((n, *r_shape), dtype=r_dtype, device=device),
+                torch.zeros((n, *s_shape), dtype=s_dtype, device=device))
+
+
+def io(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -> Io:
+    """Stage ``index``'s ``Io``, from the probe batch ``x`` through the model's own pieces (``examples``): made once,
+    while the rank still holds the pieces before its stage, under the caller's autocast."""
+    received, sent = examples(model, starts, index, x)
+    return Io((tuple(received.shape[1:]), received.dtype), (tuple(sent.shape[1:]), sent.dtype))
+
+
+def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input stage ``index`` receives, its output) for the microbatch ``x``: the shapes and dtypes torch's
+    ``PipelineStage`` takes as ``input_args`` / ``output_args``, so that it infers none itself. (Its inference runs
+    a stage's forward in training mode on an uninitialised input, which batch norm would count in its running
+    statistics: ``_forward_metadata_inference`` in torch/distributed/pipelining/stage.py.) Computed here through
+    the model's own pieces without a gradient and in evaluation mode (no statistic or random draw changes), each
+    module's mode restored after."""
     parts = pieces(model)
     end = starts[index + 1] if index + 1 < len(starts) else len(parts)
     modes = [(m, m.training) for m in model.modules()]
@@ -239,8 +256,7 @@ def examples(model: nn.Module, starts: list[int], index: int, x: torch.Tensor,
     finally:
         for m, mode in modes:
             m.training = mode
-    return (torch.zeros(received.shape, dtype=received.dtype, device=device),  # dense, as sent (``_Dense``)
-            torch.zeros(h.shape, dtype=h.dtype, device=device))
+    return received.contiguous(), h.contiguous()  # as sent (``_Dense``)
 
 
 class _Copy(nn.Module):

@@ -45,7 +45,7 @@ from brickyard.observe.profiling import StepProfiler
 from brickyard.optim import build_optimizer, param_groups
 from brickyard.training import device as dev
 from brickyard.training import precision
-from brickyard.training.ways import name_of
+from brickyard.training.ways import choose, name_of
 from brickyard.training.ways.collective import grad_sync
 
 INPUT_BOUND = 0.20  # the fraction of a step spent waiting for data above which we call a run input-bound
@@ -212,7 +212,7 @@ def run_trained(cfg, steps: int, warmup: int, run_dir: Path, train, window: int 
     """A layout whose step bench does not take apart (pipeline stages, tensor parallel, FSDP): ``warmup + steps``
     steps of a real training run (the trainer, as ``brickyard train`` runs it, nothing evaluated but a batch of the
     test split at the end), images/s the median over windows of ``window`` steps after the warm-up, read from its
-    per-step rows, and for a pipeline each rank's stage compute against its step (summary.json's ``pipeline``,
+    per-step rows (``train.log_every: 1``: a host sync a step, as bench's own passes have), and for a pipeline each rank's stage compute against its step (summary.json's ``pipeline``,
     timed by ``distributed.pipeline.StageClock`` after the trainer's first 2 steps)."""
     run_cfg = cfg.replace(**{"train.max_steps": warmup + steps, "train.epochs": 0, "train.log_every": 1,
                              "train.eval_every": 0, "data.eval_limit": cfg.data.eval_batch_size, "train.plots": False,
@@ -227,7 +227,7 @@ def run_trained(cfg, steps: int, warmup: int, run_dir: Path, train, window: int 
     p = cfg.dist.pipeline
     result = {"way": name_of(cfg), "images_per_second": statistics.median(windows), "images_per_second_min": min(windows),
               "images_per_second_max": max(windows), "world_size": info.world_size, "steps": steps, "warmup": warmup,
-              "global_batch": step_batch(cfg.data, cfg.train.grad_accum, max(1, info.world_size // p.stages)),
+              "global_batch": step_batch(cfg.data, cfg.train.grad_accum, choose(cfg, info).readers),
               "model": cfg.model.name, "data": cfg.data.name, "device": summary.get("device", ""),
               "precision": summary.get("precision", cfg.train.precision), "pipeline": summary.get("pipeline")}
     result.update({k: v for k, v in summary.items() if k.startswith("peak_") or k == "held_per_rank"})

@@ -158,38 +158,42 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         "strategy": ("fsdp + offload" if offload else "fsdp") if fsdp else "ddp", "sharded": sharded,
         "gathered": gathered, "whole": param_b + grad_b + state_b, "data_fixed": data_b, "sample_buffers": 12 * sample_b,
         "host_offloaded": sum(sharded.values()) if offload else 0,
-        "stages": stage_estimates(cfg, m, data, precision, batch),
+        "stages": stage_estimates(cfg, m, data, precision, batch, world_size),
     }
 
 
-def stage_estimates(cfg, model, data, precision: str, batch: int) -> list[dict] | None:
+def stage_estimates(cfg, model, data, precision: str, batch: int, world: int = 0) -> list[dict] | None:
     """Per pipeline stage (``dist.pipeline.stages`` above 1, cut where the run cuts it: ``pipeline.planned_cuts``),
     what each of its ranks holds: the stage's parameters, gradients and optimiser state, counted, and its activations
     (on a copy of the model), measured on one microbatch (the inputs it
     receives made by the stages before it) times the microbatches in flight at once: all of them under GPipe
-    (every forward before the first backward), at most ``stages - i`` on stage i under 1F1B."""
+    (every forward before the first backward), at most ``stages - i`` on stage i under 1F1B. With FSDP inside the
+    stages (``dist.strategy: fsdp`` on ``world`` processes), parameters, gradients and optimiser state are divided
+    over a stage's world / stages replicas."""
     p = cfg.dist.pipeline
     if p.stages < 2:
         return None
     from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
     copies, out = STATE_COPIES[cfg.optim.name], []
+    shards = max(1, world // p.stages) if cfg.dist.strategy == "fsdp" else 1
     probe = copy_module.deepcopy(model)  # its batch norm statistics move: the model's are left as they were
     with torch.random.fork_rng():
         x = torch.randn(max(1, batch // p.microbatch_count()), data.in_channels, *data.image_size)
         with dev.autocast(torch.device("cpu"), precision):
-            starts = pp.planned_cuts(model, p, x, copies)
+            starts = pp.planned_cuts(model, p, x, copies, shards)
         for i in range(p.stages):
-            out.append(_stage_estimate(p, probe, starts, i, x, precision, copies))
+            out.append(_stage_estimate(p, probe, starts, i, x, precision, copies, shards))
             x = out[-1].pop("output")
     return out
 
 
-def _stage_estimate(p, model, starts: list[int], i: int, x: torch.Tensor, precision: str, copies: int) -> dict:
+def _stage_estimate(p, model, starts: list[int], i: int, x: torch.Tensor, precision: str, copies: int,
+                    shards: int = 1) -> dict:
     """Stage ``i``'s row of ``stage_estimates``, with its output (the next stage's input) under ``output``."""
     from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
     stage = pp.stage_module(model, starts, i).train()
-    params = sum(q.numel() * q.element_size() for q in stage.parameters())
-    grads = sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad)
+    params = -(-sum(q.numel() * q.element_size() for q in stage.parameters()) // shards)
+    grads = -(-sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad) // shards)
     with dev.autocast(torch.device("cpu"), precision):
         act, y = pp.saved_bytes(stage, x.detach().requires_grad_(i > 0))
     flight = pp.in_flight(p.schedule, p.microbatch_count(), p.stages, i)

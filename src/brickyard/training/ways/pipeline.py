@@ -64,7 +64,7 @@ class PipelineWay(Way):
         self.fsdp = cfg.dist.strategy == "fsdp" and self.replicas > 1  # each stage sharded over its replicas
         self.stage = None  # this rank's stage module, once cut
         self.whole: torch.nn.Module | None = None  # the other stages' pieces on the meta device: nothing held
-        self.shapes: torch.nn.Module | None = None  # the whole model on the meta device, for the stages' shapes
+        self.io: pp.Io | None = None  # what this stage receives and sends, a sample's
         self.names: dict[str, str] = {}
         self.order: list[str] = []
         self.opt_groups: pp.Groups | None = None
@@ -126,7 +126,10 @@ class PipelineWay(Way):
         self.names, self.order = pp.own_names(model, self.stage), list(model.state_dict())
         self.device = host.device
         held, total = sum(p.numel() for p in self.stage.parameters()), sum(p.numel() for p in model.parameters())
-        self.shapes = pp.release_others(model, self.stage)
+        if sample:  # images: what the stage receives and sends known now, the other stages' weights are freed
+            with dev.autocast(host.device, host.precision):  # the dtypes the run's forward passes make
+                self.io = pp.io(model, starts, i, torch.zeros(2, *sample, device=host.device))
+            pp.release_others(model, self.stage)
         shards = ""
         if self.fsdp:  # torch's PipelineStage runs an FSDP stage: gradients reduce-scattered after the last microbatch
             blocks = fsdp.shard(model, self.cfg.dist, host.precision, host.device, fsdp.group_mesh(self.peers, host.device),
@@ -154,8 +157,9 @@ class PipelineWay(Way):
         if self.info.rank == 0:
             batch = max(device_batches(self.cfg.data, 1, self.replicas)) // self.p.microbatch_count()
             x = torch.randn(max(1, batch), *sample, device=host.device)
-            with dev.autocast(host.device, self.cfg.train.precision if self.cfg.train.precision != "auto" else "fp32"):
-                starts = pp.planned_cuts(model, self.p, x, STATE_COPIES[self.cfg.optim.name])
+            with dev.autocast(host.device, host.precision):
+                starts = pp.planned_cuts(model, self.p, x, STATE_COPIES[self.cfg.optim.name],
+                                         self.replicas if self.fsdp else 1)
         box = [starts]
         tdist.broadcast_object_list(box, src=0)
         return list(box[0])
@@ -176,8 +180,8 @@ class PipelineWay(Way):
                 m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-            assert self.shapes is not None  # made when the model was cut (shard)
-            received, sent = pp.examples(self.shapes, self.starts, self.stage_index, x[:n // m], self.device)
+            received, sent = (self.io.batch(n // m, self.device) if self.io is not None else  # else the whole model's
+                              pp.examples(self.whole_model(self.stage), self.starts, self.stage_index, x[:n // m]))
             if train:  # what carries a gradient between the stages (the metadata says so: gradients are sent back)
                 received = received.requires_grad_(self.stage_index > 0 and received.is_floating_point())
                 sent = sent.requires_grad_(sent.is_floating_point())
