@@ -32,6 +32,7 @@ from brickyard.optim import STATE_COPIES, build_optimizer, param_groups
 from brickyard.training import activation_checkpointing, ways
 from brickyard.training import device as dev
 from brickyard.training.precision import for_model
+from brickyard.training.ways.pipeline import stage_shards
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -175,7 +176,7 @@ def stage_estimates(cfg, model, data, precision: str, batch: int, world: int = 0
         return None
     from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
     copies, out = STATE_COPIES[cfg.optim.name], []
-    shards = max(1, world // p.stages) if cfg.dist.strategy == "fsdp" else 1
+    shards = stage_shards(cfg, world)
     probe = copy_module.deepcopy(model)  # its batch norm statistics move: the model's are left as they were
     with torch.random.fork_rng():
         x = torch.randn(max(1, batch // p.microbatch_count()), data.in_channels, *data.image_size)

@@ -51,6 +51,13 @@ from brickyard.training.step import apply_update
 from brickyard.training.ways.base import Way
 
 
+def stage_shards(cfg, world: int) -> int:
+    """The FSDP shards of each stage of ``cfg``'s pipeline on ``world`` processes: its replicas under
+    ``dist.strategy: fsdp``, else 1 (each stage whole on each of its replicas)."""
+    replicas = max(1, world // cfg.dist.pipeline.stages)
+    return replicas if cfg.dist.strategy == "fsdp" else 1
+
+
 class PipelineWay(Way):
     name = "pipeline"
     sharded = True       # saving gathers the stages and evaluating runs through them: every rank takes part
@@ -61,7 +68,7 @@ class PipelineWay(Way):
         self.p = cfg.dist.pipeline
         self.replicas = max(1, info.world_size // self.p.stages)
         self.stage_index, self.replica = divmod(info.rank, self.replicas)
-        self.fsdp = cfg.dist.strategy == "fsdp" and self.replicas > 1  # each stage sharded over its replicas
+        self.fsdp = stage_shards(cfg, info.world_size) > 1  # each stage sharded over its replicas
         self.stage = None  # this rank's stage module, once cut
         self.whole: torch.nn.Module | None = None  # the other stages' pieces on the meta device: nothing held
         self.io: pp.Io | None = None  # what this stage receives and sends, a sample's
