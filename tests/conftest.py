@@ -52,7 +52,9 @@ def pytest_xdist_auto_num_workers(config):
     about 670 Python processes, 571 of them import torch, and ``import torch`` alone costs 3.3-3.7 CPU-seconds
     there, so torch's import is about 2,000 of the suite's 2,700 CPU-seconds; the cores are busy throughout. A
     faster suite needs fewer processes, not more workers. ``OMP_WAIT_POLICY=PASSIVE`` changed nothing (25:53
-    against 26:18 and 27:20): the tests pin one thread a process, so no OpenMP team spins."""
+    against 26:18 and 27:20): the tests pin one thread a process, so no OpenMP team spins. With the commands forked
+    from a warm interpreter (``tests/warm.py``; 2026-11-27) the suite took 21:21 on 2 workers, and 21:24 on 3 with
+    the cores 98.5% busy (``/proc/stat`` every 5 s): still no room for another worker."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
     return max(1, min(4, cores))
 
