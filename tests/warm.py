@@ -22,8 +22,9 @@ import sys
 import tempfile
 import threading
 
-# variables a library reads once, when it loads: a command whose environment differs from the server's in one of
-# these is started cold (OpenMP and MKL read their thread settings at load, Python its paths, glibc its allocator)
+# variables a library reads once, when it loads: a command whose environment differs from a server's in one of these
+# goes to a server started with its values (OpenMP and MKL read their thread settings at load, Python its paths,
+# glibc its allocator)
 LOAD_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_", "PYTHON",
              "MALLOC", "GLIBC", "ATEN", "DNNL", "ONEDNN", "BRICKYARD_TESTS_COLD")
 
