@@ -17,6 +17,7 @@ from brickyard.data import build_data
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, memory
 from conftest import ACROSS_ORDERS, SYNTH, run_cli, sets
+from layouts import last, train
 
 BASE = SYNTH + ["train.deterministic=true", "train.epochs=10", "optim.name=momentum", "schedule.name=constant",
                 "data.global_batch_size=64", "data.synthetic.num_test=101", "data.eval_batch_size=11",
@@ -32,14 +33,7 @@ TOL = ACROSS_ORDERS
 
 
 def _train(run_dir, *items, devices="cpu:2", resume=False):
-    args = ["train", *sets(*items), "--devices", devices, "--run-dir", str(run_dir)] + (["--resume", "auto"] if resume else [])
-    r = run_cli(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def _last(run_dir):
-    return checkpoint.load(checkpoint.step_checkpoints(run_dir / "checkpoints")[-1])
+    return train(run_dir, *items, devices=devices, resume=resume)
 
 
 def _diff(a: dict, b: dict) -> float:
@@ -58,7 +52,7 @@ def test_fsdp_on_a_vit_trains_the_weights_of_ddp_holds_half_and_resumes_under_dd
     r = _train(fsdp, *VIT, "train.max_steps=16", "dist.strategy=fsdp", "train.activation_checkpointing=auto")
     assert "FSDP: 12 blocks (blocks.0, blocks.1, blocks.2, blocks.3, ...) and the root sharded across 2 ranks" in r.stdout
     assert "gradient sync fsdp" in r.stdout
-    a, b = _last(ddp), _last(fsdp)
+    a, b = last(ddp), last(fsdp)
     assert b["step"] == 16 and _diff(a["model"], b["model"]) < TOL
     # the checkpoint is whole: the optimiser's momentum in DDP's layout
     assert all(_diff({0: a["optimizer"]["state"][i]["momentum_buffer"]}, {0: b["optimizer"]["state"][i]["momentum_buffer"]}) < TOL
@@ -81,7 +75,7 @@ def test_fsdp_on_a_vit_trains_the_weights_of_ddp_holds_half_and_resumes_under_dd
     shutil.copy(fsdp / "checkpoints" / "step-0000008.pt", half / "checkpoints")
     _train(half, "train.max_steps=16", "dist.strategy=ddp", "dist.grad_sync=ddp", "train.activation_checkpointing=[]",
            resume=True)
-    c = _last(half)
+    c = last(half)
     assert "step-0000008.pt at step 8" in (half / "logs" / "workerlog.0").read_text()
     assert c["step"] == 16 and _diff(a["model"], c["model"]) < TOL
     # eval reads the FSDP run's checkpoint as any other
@@ -102,7 +96,7 @@ def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_tw
     _train(ddp, *MLP, *limited, "train.max_steps=20", "dist.grad_sync=ddp", devices="cpu:2")
     r = _train(fsdp, *MLP, *limited, "train.max_steps=20", "dist.strategy=fsdp", devices="cpu:3")
     assert "FSDP: the whole model as one unit sharded across 3 ranks" in r.stdout  # an MLP has no blocks
-    a, b = _last(ddp), _last(fsdp)
+    a, b = last(ddp), last(fsdp)
     assert _diff(a["model"], b["model"]) < TOL
     best_a = checkpoint.load(ddp / "checkpoints" / "best.pt")["model"]
     assert _diff(best_a, checkpoint.load(fsdp / "checkpoints" / "best.pt")["model"]) < TOL  # EMA's averaged weights
@@ -117,7 +111,7 @@ def test_fsdp_on_three_processes_with_ema_equals_ddp_and_resumes_a_ddp_run_of_tw
     shutil.copy(ddp / "checkpoints" / "step-0000016.pt", moved / "checkpoints")
     _train(moved, "train.max_steps=20", "dist.strategy=fsdp", "dist.grad_sync=auto", devices="cpu:3", resume=True)
     assert "step-0000016.pt at step 16" in (moved / "logs" / "workerlog.2").read_text()
-    assert _last(moved)["step"] == 20 and _diff(a["model"], _last(moved)["model"]) < TOL
+    assert last(moved)["step"] == 20 and _diff(a["model"], last(moved)["model"]) < TOL
 
 
 def test_fsdp_in_bf16_gathers_bf16_weights_and_trains_as_ddp_under_autocast(tmp_path):
@@ -128,7 +122,7 @@ def test_fsdp_in_bf16_gathers_bf16_weights_and_trains_as_ddp_under_autocast(tmp_
     _train(tmp_path / "ddp", *bf16, "dist.grad_sync=ddp")
     _train(tmp_path / "fsdp", *bf16, "dist.strategy=fsdp")
     assert _summary(tmp_path / "fsdp")["precision"] == "bf16"
-    a, b = _last(tmp_path / "ddp")["model"], _last(tmp_path / "fsdp")["model"]
+    a, b = last(tmp_path / "ddp")["model"], last(tmp_path / "fsdp")["model"]
     assert all(v.dtype == torch.float32 for v in b.values())  # the sharded weights and the checkpoint stay fp32
     assert _diff(a, b) < 2e-3, _diff(a, b)
 
