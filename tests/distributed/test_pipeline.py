@@ -18,17 +18,17 @@ from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, memory, ways
 from conftest import SYNTH, sets, sigterm_rank_one
-from layouts import VIT, diff, last, moved, train
+from layouts import CLIP, VIT, diff, last, moved, reference, train
 
 
-def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_process_and_two_by_two(tmp_path):
-    """2 stages against 1 process (20 steps of SGD with momentum, so the optimiser state moves too); the 2-stage
+def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_process_and_two_by_two(tmp_path,
+                                                                                                     tmp_path_factory):
+    """2 stages against 1 process (20 steps of SGD with momentum, so the optimiser state moves too, clipped); the 2-stage
     run's step-10 checkpoint resumed on 1 process, the 1-process one on 2 stages x 2 replicas (4 processes) with
-    each stage sharded over its replicas (FSDP), both to the 1-process run's weights; the 2-stage one resumed on 2
-    stages bit for bit. (2 x 2 without FSDP: the two-host test, launch/test_multinode.py.)"""
-    one, two = tmp_path / "one", tmp_path / "two"
-    train(one, *VIT)
-    train(two, *VIT, "dist.pipeline.stages=2", devices="cpu:2")
+    each stage sharded over its replicas (FSDP) and on 2 stages each split across 2 ranks (tensor parallel), all to
+    the 1-process run's weights; the 2-stage one resumed on 2 stages bit for bit. (2 x 2 without FSDP: the two-host test, launch/test_multinode.py.)"""
+    one, two = reference(tmp_path_factory, CLIP), tmp_path / "two"  # both clip every step: the norm across stages
+    train(two, *VIT, CLIP, "dist.pipeline.stages=2", devices="cpu:2")
     a, b = last(one), last(two)
     assert a["step"] == b["step"] == 20 and list(a["model"]) == list(b["model"])  # the whole model, its own names
     assert diff(a["model"], b["model"]) < 1e-5
@@ -63,6 +63,16 @@ def test_vit_tiny_on_two_stages_trains_one_process_weights_and_reshards_to_one_p
     summary = json.loads((wide / "summary.json").read_text())
     assert summary["strategy"] == "pipeline+fsdp" and summary["held_per_rank"]["parameters"] < 0.3 * 4 * total
     assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5  # loaded, trained, gathered
+    deep = moved(one, 10, tmp_path / "deep")  # 1 process -> 2 stages, each split across 2 ranks (tensor parallel)
+    train(deep, "dist.pipeline.stages=2", "dist.tensor_parallel=2", devices="cpu:4", resume=True)
+    log2 = (deep / "logs" / "workerlog.2").read_text()
+    line = re.search(r"rank 2 is stage 1 of 2, tensor-parallel rank 0 of 2 .*; tensor parallel: rank 0 of 2 of the "
+                     r"stage holds ([\d,]+) \((.*)\)", log2)
+    assert line and held[1] // 2 < int(line[1].replace(",", "")) < held[1], log2[-2000:]
+    assert line[2] == "6 MLPs column/row split, head rows split; attention replicated: 3 heads over 2"
+    summary = json.loads((deep / "summary.json").read_text())
+    assert summary["strategy"] == "pipeline+tensor_parallel" and summary["world_size"] == 4
+    assert last(deep)["step"] == 20 and diff(a["model"], last(deep)["model"]) < 1e-5
     again = moved(two, 10, tmp_path / "again")  # the same layout: bit for bit
     train(again, resume=True, devices="cpu:2")
     c = last(again)
@@ -96,6 +106,26 @@ def test_stages_must_divide_the_processes():
     with pytest.raises(ConfigError, match=re.escape("dist.pipeline.stages: 2 does not divide the job's 3 processes; a job "
                                                     "runs whole pipelines (processes = stages x replicas).")):
         ways.choose(load_config("mnist", SYNTH + ["dist.pipeline.stages=2"]), DistInfo(world_size=3)).check(_seq(3), None)
+    with pytest.raises(ConfigError, match=re.escape(
+            "dist.pipeline.stages: 2 x dist.tensor_parallel: 2 does not divide the job's 6 processes; a job runs whole "
+            "pipelines (processes = stages x tensor-parallel ranks x replicas).")):
+        ways.choose(load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.tensor_parallel=2"]),
+                    DistInfo(world_size=6)).check(_seq(3), None)
+    with pytest.raises(ConfigError, match=re.escape("dist.tensor_parallel: Sequential has no layer tensor parallel")):
+        ways.choose(load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.tensor_parallel=2"]),
+                    DistInfo(world_size=4)).check(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Conv2d(2, 2, 3)), None)
+
+
+@pytest.mark.fast
+def test_a_rank_of_a_pipeline_of_split_stages_knows_its_place():
+    """Rank ``(stage x replicas + replica) x tensor_parallel + shard``: the pipeline outermost, tensor parallel
+    innermost (torchtitan's order); each pipeline reads its replica's share."""
+    cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.tensor_parallel=2"])
+    got = [ways.choose(cfg, DistInfo(rank=r, world_size=8)) for r in range(8)]
+    assert [(w.stage_index, w.replica, w.tp_index) for w in got] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert {(w.readers, w.summary_name(8)) for w in got} == {(2, "pipeline+tensor_parallel")}
+    assert [w.reader_index for w in got] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("items, sentence", [

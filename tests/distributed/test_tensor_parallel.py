@@ -18,22 +18,15 @@ from brickyard.errors import ConfigError
 from brickyard.models import create
 from brickyard.training import ways
 from conftest import SYNTH, run_cli
-from layouts import VIT, diff, last, moved, train
-
-# tests/distributed/test_pipeline.py's settings (copied: that file changes on its own)
-CLIP = "train.grad_clip=0.5"  # clips every step of these runs: the norm over shards and whole tensors is tested too
+from layouts import CLIP, VIT, diff, last, moved, reference, train
 
 
-
-
-
-
-def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_them(tmp_path):
+def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_them(tmp_path, tmp_path_factory):
     """2 ranks (with 2 accumulation steps) against 1 process, both clipping: the same weights and momentum, the
     whole tensors under the model's own names; each rank says it holds less than the whole model; the 2-rank run's
-    step-10 checkpoint resumed on 1 process, and the 1-process one on 2 ranks, both to the 1-process run's weights."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    train(one, *VIT, CLIP)
+    step-10 checkpoint resumed on 1 process, and the 1-process one on 2 replicas of 2 ranks (4 processes, the
+    replicas' gradients averaged), both to the 1-process run's weights."""
+    one, two = reference(tmp_path_factory, CLIP), tmp_path / "two"
     train(two, *VIT, CLIP, "dist.tensor_parallel=2", "train.grad_accum=2", devices="cpu:2")
     a, b = last(one), last(two)
     assert a["step"] == b["step"] == 20 and list(a["model"]) == list(b["model"])  # the model's own names
@@ -53,10 +46,11 @@ def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_the
     train(back, "dist.tensor_parallel=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
     assert last(back)["step"] == 20 and diff(a["model"], last(back)["model"]) < 1e-5
-    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 ranks
-    train(wide, "dist.tensor_parallel=2", devices="cpu:2", resume=True)
-    assert "rank 1 of 2 holds" in (wide / "logs" / "workerlog.1").read_text()
+    wide = moved(one, 10, tmp_path / "wide")  # 1 process -> 2 groups of 2 ranks, each reading half of each batch
+    train(wide, "dist.tensor_parallel=2", devices="cpu:4", resume=True)
+    assert "tensor parallel: rank 1 of 2, replica 1 of 2 holds" in (wide / "logs" / "workerlog.3").read_text()
     assert last(wide)["step"] == 20 and diff(a["model"], last(wide)["model"]) < 1e-5
+    assert json.loads((wide / "summary.json").read_text())["world_size"] == 4
 
 
 HEADS = '''
@@ -130,6 +124,9 @@ def test_the_config_selects_the_way():
     assert ways.name_of(cfg) == "tensor_parallel"
     way = ways.choose(cfg, DistInfo(rank=1, world_size=2))
     assert (way.readers, way.reader_index, way.sharded, way.summary_name(2)) == (1, 0, True, "tensor_parallel")
+    replicas = [ways.choose(cfg, DistInfo(rank=r, world_size=6)) for r in range(6)]  # 3 groups of 2, side by side
+    assert [(w.readers, w.reader_index, w.replica, w.index) for w in replicas] == [
+        (3, r // 2, r // 2, r % 2) for r in range(6)]
     assert way.vote_group("readers") is None and "not captured" in way.capture_refusal()
 
 
@@ -139,8 +136,8 @@ def test_the_config_selects_the_way():
      "dist.tensor_parallel: Sequential has no layer tensor parallel can split (an nn.Linear); train it with "
      "dist.tensor_parallel: 1."),
     (nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), (), 3,
-     "dist.tensor_parallel: 2 splits each layer across 2 processes and this job has 3; run it on 2 (replicas of the "
-     "group are not built yet)."),
+     "dist.tensor_parallel: 2 does not divide the job's 3 processes; a job runs whole groups (processes = 2 x "
+     "replicas)."),
     (nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), ("train.precision=fp16",), 2, "train.precision: fp16 needs the loss scaler"),
 ])
 def test_what_the_way_cannot_do_is_one_sentence_before_anything_runs(model, items, world, sentence):
@@ -152,8 +149,8 @@ def test_what_the_way_cannot_do_is_one_sentence_before_anything_runs(model, item
 @pytest.mark.parametrize("items, what", [
     (["dist.mode=ps"], "dist.mode: ps (the servers hold the whole model)"),
     (["boost.snapshots.enabled=true"], "boost (its snapshots and subspace are of the whole parameter vector)"),
-    (["dist.strategy=fsdp"], "dist.strategy: fsdp (FSDP around tensor-parallel groups is not built yet)"),
-    (["dist.pipeline.stages=2"], "dist.pipeline.stages: 2 (tensor parallel inside a stage is not built yet)"),
+    (["dist.strategy=fsdp"], "dist.strategy: fsdp (FSDP around tensor-parallel groups, or beside them in a pipeline's "
+                             "stages, is not built yet)"),
     (["dist.grad_sync=flat"], "dist.grad_sync: flat (the split layers sync inside their passes; nothing follows)"),
     (["dist.sync_bn=true"], "dist.sync_bn (every rank normalises the same whole batch already)"),
     (["train.watch=[fc]"], "train.watch and train.histograms_every (they read whole weights)"),

@@ -128,8 +128,8 @@ def tensor_parallel_alone(dist, boost, train, optim) -> None:
     other = [key for on, key in (
         (dist.mode == "ps", "dist.mode: ps (the servers hold the whole model)"),
         (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
-        (dist.strategy == "fsdp", "dist.strategy: fsdp (FSDP around tensor-parallel groups is not built yet)"),
-        (dist.pipeline.stages > 1, f"dist.pipeline.stages: {dist.pipeline.stages} (tensor parallel inside a stage is not built yet)"),
+        (dist.strategy == "fsdp", "dist.strategy: fsdp (FSDP around tensor-parallel groups, or beside them in a "
+                                   "pipeline's stages, is not built yet)"),
         (dist.grad_sync != "auto", f"dist.grad_sync: {dist.grad_sync} (the split layers sync inside their passes; nothing follows)"),
         (dist.sync_bn, "dist.sync_bn (every rank normalises the same whole batch already)"),
         (bool(train.watch) or bool(train.histograms_every), "train.watch and train.histograms_every (they read whole weights)"),

@@ -184,10 +184,9 @@ def readers_of(cfg, world: int) -> int:
     """How many of a job's ``world`` processes read data: all but the parameter servers; one a pipeline (its
     stages read the same share) and one a tensor-parallel group (its ranks read the same batch). ``cfg`` is the
     whole Config."""
-    if cfg.dist.pipeline.stages > 1:
-        return max(1, world // cfg.dist.pipeline.stages)
-    if cfg.dist.tensor_parallel > 1:
-        return max(1, world // cfg.dist.tensor_parallel)
+    split = cfg.dist.pipeline.stages * cfg.dist.tensor_parallel
+    if split > 1:
+        return max(1, world // split)
     return world - (cfg.dist.ps.servers if cfg.dist.mode == "ps" else 0)
 
 

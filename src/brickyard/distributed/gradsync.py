@@ -60,7 +60,7 @@ class FlatGrads(GradSync):
         self.group, self.world = group, tdist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        _broadcast_flat(list(model.parameters()) + self.buffers, group)
+        broadcast_flat(list(model.parameters()) + self.buffers, group)
         self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype, device=self.params[0].device)
         self.views, offset = [], 0
         for p in self.params:  # a parameter's own strides where it is dense (channels_last), else contiguous ones
@@ -87,7 +87,7 @@ class FlatGrads(GradSync):
         else:  # on a GPU the all-reduce is queued on the stream: waiting here would be a host sync
             tdist.all_reduce(self.flat, group=self.group)
         if self.buffers:
-            _broadcast_flat(self.buffers, self.group)
+            broadcast_flat(self.buffers, self.group)
 
     def zero_grad(self, optimizer) -> None:
         self.flat.zero_()
@@ -115,7 +115,7 @@ def _yield() -> None:
         time.sleep(0)
 
 
-def _broadcast_flat(tensors, group=None) -> None:
+def broadcast_flat(tensors, group=None) -> None:
     """Rank 0's values of ``tensors`` to every rank, one broadcast per dtype."""
     src = tdist.get_global_rank(group, 0) if group is not None else 0
     for dtype in dict.fromkeys(t.dtype for t in tensors):

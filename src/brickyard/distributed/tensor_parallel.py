@@ -36,7 +36,9 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
+from brickyard.distributed.flat import flatten, load_flat
 from brickyard.distributed.fsdp import is_dtensor
+from brickyard.distributed.gradsync import GradSync, broadcast_flat, spin_wait
 from brickyard.errors import BrickyardError
 
 # modules applied element by element: between a column and a row parallel layer they see a split activation
@@ -112,12 +114,14 @@ def _splits_heads(m: nn.MultiheadAttention, n: int) -> bool:
             and m.bias_k is None and not m.add_zero_attn and m.dropout == 0.0 and m.num_heads % n == 0)
 
 
-def plan(model: nn.Module, n: int) -> Plan:
-    """The layers of ``model`` split across ``n`` processes (see the module docstring); empty: nothing to split."""
+def plan(model: nn.Module, n: int, head: bool = True) -> Plan:
+    """The layers of ``model`` split across ``n`` processes (see the module docstring); empty: nothing to split.
+    ``head``: whether ``model`` ends in the classifier (a pipeline's earlier stages do not: their last linear layer
+    is a block's, paired or left whole)."""
     linears = [name for name, m in model.named_modules() if _linear(m)]
-    head = linears[-1] if linears else None
+    classifier = linears[-1] if linears and head else None
     attention = [(name, m) for name, m in model.named_modules() if type(m) is nn.MultiheadAttention]
-    return Plan(_pairs(model, head, n), head, [a for a, m in attention if _splits_heads(m, n)],
+    return Plan(_pairs(model, classifier, n), classifier, [a for a, m in attention if _splits_heads(m, n)],
                 [(a, m.num_heads) for a, m in attention if not _splits_heads(m, n)])
 
 
@@ -248,3 +252,39 @@ def clip_grad_norm_(params, max_norm: float, group) -> torch.Tensor:
     for g in split + whole:
         g.detach().mul_(coef.to(g.dtype))  # a DTensor's local tensor is its storage: the gradient itself
     return total
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local tensor (its storage: writing it writes the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]  # a DTensor (is_dtensor is no TypeGuard: DTensor loads lazily)
+
+
+class ReplicaGrads(GradSync):
+    """The gradients of tensor-parallel groups that read different data (``dist.tensor_parallel`` replicas), averaged
+    over ``group``: the ranks that hold the same shards (the same place in their groups). One all-reduce of the
+    gradients' local parts, copied into one flat buffer and back (``gradsync.FlatGrads`` keeps its gradients as views
+    into its buffer, which a DTensor's gradient cannot be). As DDP: times 1/world before the sum, the ranks'
+    weights made equal to the group's first rank's at the start, and its floating buffers given to the others after
+    each step."""
+    name = "replicas"
+
+    def __init__(self, model: nn.Module, group, spin: bool = True):
+        super().__init__()
+        self.group, self.world = group, tdist.get_world_size(group)
+        self.spin_s = 0.02 if spin else 0.0  # as FlatGrads: awake only on cores of its own
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        with torch.no_grad():
+            broadcast_flat([local(p.detach()) for p in model.parameters()] + self.buffers, group)
+
+    def __call__(self) -> None:
+        grads = [local(p.grad) for p in self.params if p.grad is not None]  # the same parameters on every replica
+        if grads:
+            flat = flatten(grads).mul_(1.0 / self.world)
+            if flat.device.type == "cpu":
+                spin_wait(tdist.all_reduce(flat, group=self.group, async_op=True), self.spin_s)
+            else:
+                tdist.all_reduce(flat, group=self.group)
+            load_flat(grads, flat)
+        if self.buffers:
+            broadcast_flat(self.buffers, self.group)

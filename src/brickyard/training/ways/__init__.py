@@ -16,9 +16,11 @@ name                 selected by                                 what each rank 
 ``dim_reduce``       ``boost.dim_reduce.enabled``                P-BFGS in a subspace of the weights
                                                                  instead of the optimiser
 ``pipeline``         ``dist.pipeline.stages`` above 1            one stage of the model and its optimiser
-                                                                 state (torch's ``pipelining``)
+                                                                 state (torch's ``pipelining``); FSDP or
+                                                                 tensor parallel inside a stage
 ``tensor_parallel``  ``dist.tensor_parallel`` above 1            1/N of each layer it splits (MLPs, the
-                                                                 classifier, attention heads); whole batch
+                                                                 classifier, attention heads); a group's
+                                                                 batch
 ===================  ==========================================  =========================================
 
 A new way is a module here with a ``Way`` subclass, one entry in ``WAYS`` and one line in ``name_of``; the

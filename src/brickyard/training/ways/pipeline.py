@@ -29,11 +29,21 @@ With ``dist.strategy: fsdp`` each stage is sharded over its replicas, as torchti
 gradient sync off for each microbatch's backward, ``perform_reduce_grad`` reduce-scatters after the last), in
 place of the flat all-reduce; checkpoints gather the shards before the stages.
 
-Not built yet: tensor parallel inside a stage, fp16's loss scaler, a ``train_step`` of the user's.
+With ``dist.tensor_parallel: T`` each stage's layers are split across T ranks as ``training.ways.tensor_parallel``
+splits a whole model (the classifier's rows on the last stage only), the third dimension of torchtitan's mesh,
+innermost: rank ``(stage x replicas + replica) x T + shard``. Each of a stage's T ranks sends to and receives from
+the rank of the same shard in the next and previous stages (one pipeline per shard, carrying the same activations,
+as torchtitan's pp dimension has one group per place in the other dimensions), the replicas average the local
+parts of their gradients (``distributed.tensor_parallel.ReplicaGrads``), and clipping sums the shards' squares over
+the group before the pipeline. FSDP and tensor parallel together inside a stage are not built.
+
+Not built yet: fp16's loss scaler, a ``train_step`` of the user's.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
@@ -42,6 +52,7 @@ from brickyard.callbacks import Callback
 from brickyard.data.loaders import device_batches
 from brickyard.distributed import fsdp
 from brickyard.distributed import pipeline as pp
+from brickyard.distributed import tensor_parallel as tp
 from brickyard.distributed.gradsync import FlatGrads, GradSync
 from brickyard.errors import ConfigError
 from brickyard.optim import STATE_COPIES
@@ -49,13 +60,22 @@ from brickyard.training import device as dev
 from brickyard.training.run import StepResult
 from brickyard.training.step import apply_update
 from brickyard.training.ways.base import Way
+from brickyard.training.ways.tensor_parallel import same_random_state
 
 
 def stage_shards(cfg, world: int) -> int:
     """The FSDP shards of each stage of ``cfg``'s pipeline on ``world`` processes: its replicas under
     ``dist.strategy: fsdp``, else 1 (each stage whole on each of its replicas)."""
-    replicas = max(1, world // cfg.dist.pipeline.stages)
+    replicas = max(1, world // (cfg.dist.pipeline.stages * cfg.dist.tensor_parallel))
     return replicas if cfg.dist.strategy == "fsdp" else 1
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A pipeline rank's own process groups besides its stage's replicas: its pipeline (the stages it sends to and
+    receives from) and its stage's tensor-parallel group (None: the stage is whole on each rank)."""
+    pipe: object
+    tp: object = None
 
 
 class PipelineWay(Way):
@@ -66,8 +86,10 @@ class PipelineWay(Way):
     def __init__(self, cfg, info, groups=None):
         super().__init__(cfg, info, groups)
         self.p = cfg.dist.pipeline
-        self.replicas = max(1, info.world_size // self.p.stages)
-        self.stage_index, self.replica = divmod(info.rank, self.replicas)
+        self.tp = cfg.dist.tensor_parallel  # ranks each stage's layers are split across
+        self.replicas = max(1, info.world_size // (self.p.stages * self.tp))
+        self.stage_index, rest = divmod(info.rank, self.replicas * self.tp)
+        self.replica, self.tp_index = divmod(rest, self.tp)
         self.fsdp = stage_shards(cfg, info.world_size) > 1  # each stage sharded over its replicas
         self.stage = None  # this rank's stage module, once cut
         self.whole: torch.nn.Module | None = None  # the other stages' pieces on the meta device: nothing held
@@ -76,7 +98,8 @@ class PipelineWay(Way):
         self.order: list[str] = []
         self.opt_groups: pp.Groups | None = None
         self.schedules: dict[tuple[int, bool], object] = {}
-        self.peers, self.pipe = groups or (None, None)  # its stage's replicas, and this rank's pipeline
+        self.peers, lines = groups or (None, Lines(None))  # its stage's replicas, and this rank's pipeline
+        self.pipe, self.tp_group = lines.pipe, lines.tp
         self.n_global = 1
         self.loss_sum = None
         self.device = torch.device("cpu")
@@ -93,10 +116,15 @@ class PipelineWay(Way):
 
     def check(self, model, resume):
         pp.cuts(model, self.p.stages, self.p.split)
-        world = self.info.world_size
-        if world % self.p.stages:
-            raise ConfigError(f"dist.pipeline.stages: {self.p.stages} does not divide the job's {world} processes; a "
-                              f"job runs whole pipelines (processes = stages x replicas).")
+        world, per = self.info.world_size, self.p.stages * self.tp
+        if world % per:
+            split = f" x dist.tensor_parallel: {self.tp}" if self.tp > 1 else ""
+            raise ConfigError(f"dist.pipeline.stages: {self.p.stages}{split} does not divide the job's {world} "
+                              f"processes; a job runs whole pipelines (processes = stages x "
+                              f"{'tensor-parallel ranks x ' if self.tp > 1 else ''}replicas).")
+        if self.tp > 1 and not tp.plan(model, self.tp):
+            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
+                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
         if self.cfg.train.precision == "fp16":
             raise ConfigError("train.precision: fp16 needs the loss scaler, which the pipeline's schedule does not "
                               "apply to its microbatches yet; use bf16 or fp32 with dist.pipeline.stages.")
@@ -112,14 +140,21 @@ class PipelineWay(Way):
                               f"(data.global_batch_size: {d.global_batch_size}{over}); choose a divisor of it.")
 
     def groups(self):
-        """(the stage's replicas, over which metrics are summed; this rank's pipeline, the way's own messages). Every
-        rank makes every group, in the same order (``new_group`` is collective)."""
+        """(the stage's replicas that hold what this rank holds, over which metrics are summed and gradients averaged;
+        ``Lines``: this rank's pipeline and tensor-parallel group). Rank ``(stage x replicas + replica) x tp + shard``:
+        the pipeline outermost, tensor parallel innermost (the module docstring). Every rank makes every group, in
+        the same order (``new_group`` is collective)."""
         if not self.info.distributed:
-            return None, None
-        s, r = self.p.stages, self.replicas
-        pipes = [tdist.new_group([k + r * i for i in range(s)]) for k in range(r)]
-        peers = [tdist.new_group([r * i + k for k in range(r)]) for i in range(s)]
-        return peers[self.stage_index], pipes[self.replica]
+            return None, Lines(None)
+        s, r, t = self.p.stages, self.replicas, self.tp
+
+        def rank(i, k, j):
+            return (i * r + k) * t + j
+        pipes = {(k, j): tdist.new_group([rank(i, k, j) for i in range(s)]) for k in range(r) for j in range(t)}
+        peers = {(i, j): tdist.new_group([rank(i, k, j) for k in range(r)]) for i in range(s) for j in range(t)}
+        splits = {(i, k): tdist.new_group([rank(i, k, j) for j in range(t)]) for i in range(s) for k in range(r)} if t > 1 else {}
+        i, k, j = self.stage_index, self.replica, self.tp_index
+        return peers[(i, j)], Lines(pipes[(k, j)], splits.get((i, k)))
 
     def vote_group(self, readers_group):
         return None  # every rank: the stages of a pipeline stop at the same step
@@ -138,7 +173,9 @@ class PipelineWay(Way):
                 self.io = pp.io(model, starts, i, torch.zeros(2, *sample, device=host.device))
             pp.release_others(model, self.stage)
         shards = ""
-        if self.fsdp:  # torch's PipelineStage runs an FSDP stage: gradients reduce-scattered after the last microbatch
+        if self.tp > 1:  # the stage's layers split across its tensor-parallel group, as on its own
+            shards = self._split(host)
+        elif self.fsdp:  # torch's PipelineStage runs an FSDP stage: gradients reduce-scattered after the last microbatch
             blocks = fsdp.shard(model, self.cfg.dist, host.precision, host.device, fsdp.group_mesh(self.peers, host.device),
                                 root=self.stage)
             shards = (f"; FSDP: shard {self.replica} of {self.replicas} of the stage ({len(blocks)} blocks and the "
@@ -149,10 +186,25 @@ class PipelineWay(Way):
         how = ("at dist.pipeline.split" if self.p.split else "balanced by parameter count" if self.p.balance == "params"
                else f"balanced by each block's measured {self.p.balance}")
         place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
+        place += f", tensor-parallel rank {self.tp_index} of {self.tp}" if self.tp > 1 else ""
         log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
                  f"{held:,} of {total:,} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
                  f"{self.p.schedule}; batch norm, if any, sees microbatch statistics{shards}")
         return self.stage
+
+    def _split(self, host) -> str:
+        """Split this rank's stage across its tensor-parallel group (the classifier's rows on the last stage only),
+        and say what it holds."""
+        assert self.stage is not None
+        last = self.stage_index == self.p.stages - 1
+        plan = tp.plan(self.stage, self.tp, head=last)
+        tp.apply(self.stage, plan, fsdp.group_mesh(self.tp_group, host.device))
+        same_random_state(host.device)  # dropout outside the split layers must draw alike on a group's ranks
+        held, _ = tp.held(self.stage)
+        own = {id(m): name for name, m in self.whole_model(self.stage).named_modules()}  # the model's names, for the log
+        head = own.get(id(dict(self.stage.named_modules()).get(plan.head)), plan.head) if plan.head else None
+        what = dataclasses.replace(plan, head=head).describe(self.tp) if plan else "nothing to split: the stage whole on each"
+        return f"; tensor parallel: rank {self.tp_index} of {self.tp} of the stage holds {held:,} ({what})"
 
     def _starts(self, model, host, sample: tuple) -> list[int]:
         """Where the stages begin: at the split points, by parameter count, or by the pieces' time or memory,
@@ -242,17 +294,25 @@ class PipelineWay(Way):
         """``clip_grad_norm_`` over the global norm of every stage's gradients (one all-reduce in the pipeline; with
         FSDP, the squares of a stage's shards summed over its replicas first)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        local = [g.to_local() if fsdp.is_dtensor(g) else g for g in grads]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros((), device=self.device)
-        if self.fsdp:
-            tdist.all_reduce(sq, group=self.peers)
+        split, whole = tp.local_parts(grads)  # FSDP's and tensor parallel's shards; the tensors every rank holds whole
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in split:
+            sq += g.detach().float().pow(2).sum()
+        if self.fsdp or self.tp > 1:
+            tdist.all_reduce(sq, group=self.peers if self.fsdp else self.tp_group)
+        for g in whole:
+            sq += g.detach().float().pow(2).sum()
         tdist.all_reduce(sq, group=self.pipe)
         coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        for g in local:
-            g.mul_(coef.to(g.dtype))
+        for g in split + whole:
+            g.detach().mul_(coef.to(g.dtype))
 
     def grad_sync(self, model, device, group, own_cores):
-        sync = FlatGrads(model, self.peers, spin=own_cores) if self.replicas > 1 and not self.fsdp else GradSync()
+        sync: GradSync = GradSync()
+        if self.replicas > 1 and self.tp > 1:  # DTensors' gradients: their local parts averaged
+            sync = tp.ReplicaGrads(model, self.peers, spin=own_cores)
+        elif self.replicas > 1 and not self.fsdp:
+            sync = FlatGrads(model, self.peers, spin=own_cores)
         return _Forward(self, model), sync
 
     def full_state(self, model, optimizer):
@@ -272,7 +332,7 @@ class PipelineWay(Way):
         return "dist.pipeline.stages sends activations between the stages, which is not captured"
 
     def summary_name(self, world):
-        return "pipeline+fsdp" if self.fsdp else "pipeline"
+        return "pipeline+fsdp" if self.fsdp else "pipeline+tensor_parallel" if self.tp > 1 else "pipeline"
 
 
 class _Forward(torch.nn.Module):

@@ -1,27 +1,35 @@
-"""Tensor parallel (``dist.tensor_parallel: N``): each layer's work split across the N processes of the job
+"""Tensor parallel (``dist.tensor_parallel: N``): each layer's work split across the N processes of a group
 (``distributed.tensor_parallel`` says which layers and how, on torch's ``parallelize_module``).
 
-Every rank reads the same whole batch (one reader), so the learning rate, schedule, data order and augmentation
-are those of one process, and every rank computes the same logits: each counts loss and accuracy in a group of
-its own (as a data-parallel process of one would). What stays whole on every rank (embeddings, norms, attention
-whose heads N does not divide) gets the same gradient everywhere from the same inputs, and the split layers'
-collectives sit inside their forward and backward passes, so no gradient sync follows the backward pass.
-Gradient clipping takes the norm over the shards and the whole tensors together (``clip_grad_norm_``). Saving
-gathers the shards and evaluating runs the split forward pass: both are collectives every rank takes part in;
-every rank takes part in the stop vote.
+Layout: a job of ``world`` processes is ``world / N`` groups (replicas) of N ranks, the tensor-parallel dimension
+innermost as torchtitan orders its mesh (``torchtitan/distributed/parallel_dims.py``: pp, dp_replicate, dp_shard,
+cp, tp): rank r is shard ``r % N`` of replica ``r // N``, so a group's ranks, which meet in every layer, sit side by
+side on one machine. Every rank of a group reads the same batch, the replicas their shares of the recipe's global
+batch (as data-parallel processes do), so the learning rate, schedule, data order and augmentation are those of
+one process, and the ranks of a group compute the same logits: each counts loss and accuracy summed over the ranks
+that hold the same shards in the other replicas (alone, with one replica). What stays whole on every rank
+(embeddings, norms, attention whose heads N does not divide) gets the same gradient across a group from the same
+inputs, and the split layers' collectives sit inside their forward and backward passes, so within a group no
+gradient sync follows the backward pass; across replicas the gradients' local parts are averaged over the ranks
+that hold the same shards (``distributed.tensor_parallel.ReplicaGrads``). Gradient clipping takes the norm over
+the shards and the whole tensors together (``clip_grad_norm_``). Saving gathers the shards and evaluating runs the
+split forward pass: both are collectives every rank takes part in; every rank takes part in the stop vote.
 
 Checkpoints hold the model's own tensors whole under its own names (the base ``Way``'s ``full_state`` and
-``load_state``, through ``distributed.fsdp``), so a run saved on N processes resumes on one, and the reverse.
+``load_state``, through ``distributed.fsdp``), so a run saved on N processes resumes on one, on other replicas, or
+in a pipeline's stages, and the reverse. Inside pipeline stages, ``training.ways.pipeline`` splits each stage.
 
-Not built yet: replicas (a job of several tensor-parallel groups), FSDP or pipeline stages around the groups,
-fp16's loss scaler (its check for infinite gradients would run on each rank's shards alone).
+Not built yet: FSDP around the groups, fp16's loss scaler (its check for infinite gradients would run on each
+rank's shards alone).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
 
+from brickyard.distributed import fsdp
 from brickyard.distributed import tensor_parallel as tp
+from brickyard.distributed.gradsync import GradSync
 from brickyard.errors import ConfigError
 from brickyard.training.ways.base import Way
 
@@ -36,22 +44,23 @@ class TensorParallelWay(Way):
     def __init__(self, cfg, info, groups=None):
         super().__init__(cfg, info, groups)
         self.n = cfg.dist.tensor_parallel
-        self.own, _ = groups or (None, None)  # this rank alone: where its metrics are counted
-        self.group = None  # the mesh's process group, once split
+        self.replicas = max(1, info.world_size // self.n)
+        self.replica, self.index = divmod(info.rank, self.n)
+        self.peers, self.group = groups or (None, None)  # the same shards in every replica (metrics), this rank's group
 
     @property
     def readers(self) -> int:
-        return 1  # every rank reads the whole batch
+        return self.replicas  # every rank of a group reads its replica's share
 
     @property
     def reader_index(self) -> int:
-        return 0
+        return self.replica
 
     def check(self, model, resume):
         world = self.info.world_size
-        if world != self.n:
-            raise ConfigError(f"dist.tensor_parallel: {self.n} splits each layer across {self.n} processes and this job "
-                              f"has {world}; run it on {self.n} (replicas of the group are not built yet).")
+        if world % self.n:
+            raise ConfigError(f"dist.tensor_parallel: {self.n} does not divide the job's {world} processes; a job runs "
+                              f"whole groups (processes = {self.n} x replicas).")
         if not tp.plan(model, self.n):
             raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
                               f"nn.Linear); train it with dist.tensor_parallel: 1.")
@@ -59,12 +68,15 @@ class TensorParallelWay(Way):
             raise ConfigError(_FP16)
 
     def groups(self):
-        """(this rank alone, over which its metrics are summed; none of the way's own). Every rank makes every group,
-        in the same order (``new_group`` is collective)."""
+        """(the ranks that hold this rank's shards in every replica, over which metrics are summed and gradients
+        averaged; this rank's tensor-parallel group). Every rank makes every group, in the same order (``new_group``
+        is collective)."""
         if not self.info.distributed:
             return None, None
-        alone = [tdist.new_group([r]) for r in range(self.info.world_size)]
-        return alone[self.info.rank], None
+        n, r = self.n, self.replicas
+        peers = [tdist.new_group([k * n + t for k in range(r)]) for t in range(n)]
+        tp_groups = [tdist.new_group([k * n + t for t in range(n)]) for k in range(r)]
+        return peers[self.index], tp_groups[self.replica]
 
     def vote_group(self, readers_group):
         return None  # every rank: the split layers need all of them at every step
@@ -73,16 +85,16 @@ class TensorParallelWay(Way):
         """Split ``model``'s layers across the ranks, in place, before the optimiser sees its parameters."""
         if host.precision == "fp16":  # train.precision: auto chose it
             raise ConfigError(_FP16)
-        # lazy: torch.distributed.device_mesh loads DTensor's operator tables (distributed.fsdp: _loaded)
-        from torch.distributed.device_mesh import init_device_mesh
         plan = tp.plan(model, self.n)
-        mesh = init_device_mesh(host.device.type, (self.n,))
-        tp.apply(model, plan, mesh)
-        self.group = mesh.get_group()
+        tp.apply(model, plan, fsdp.group_mesh(self.group, host.device))
         same_random_state(host.device)  # dropout outside the split layers must draw alike on every rank
         held, total = tp.held(model)
-        log.info(f"tensor parallel: rank {self.info.rank} of {self.n} holds {held:,} of {total:,} parameters "
+        place = f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else ""
+        log.info(f"tensor parallel: rank {self.index} of {self.n}{place} holds {held:,} of {total:,} parameters "
                  f"({plan.describe(self.n)})")
+
+    def grad_sync(self, model, device, group, own_cores):
+        return model, tp.ReplicaGrads(model, self.peers, spin=own_cores) if self.replicas > 1 else GradSync()
 
     def clip(self, optimizer, max_norm):
         tp.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm, self.group)
