@@ -64,7 +64,9 @@ def pytest_xdist_auto_num_workers(config):
 # long test collected late could start last and leave one core idle for minutes; first, they overlap the short
 # tests. Whole modules move, so that a module-scoped fixture (a Slurm cluster, a reference run) is set up once.
 SLOW_FIRST = (
+    "tests/distributed/test_pipeline.py::test_vit_tiny_on_two_stages",
     "tests/launch/test_multinode.py::test_elastic_a_node_joins_then_leaves",
+    "tests/distributed/test_tensor_parallel.py::test_vit_tiny_on_two_ranks",
     "tests/distributed/test_fsdp.py::test_fsdp_on_a_vit",
     "tests/launch/test_multinode.py::test_a_killed_node_returns",
     "tests/launch/test_slurm.py::test_scancel_saves_a_checkpoint",
@@ -76,6 +78,9 @@ SLOW_FIRST = (
     "tests/tools/test_export.py::test_registry_models_export_to_onnx_and_run_in_onnxruntime[vit_tiny",
     "tests/data/test_data.py::test_the_real_fashion_mnist_from_debian",
     "tests/training/test_rundir.py::test_a_second_process_on_a_live_run_directory",
+    "tests/launch/test_slurm.py::test_the_readme_sbatch_script",
+    "tests/observe/test_trackers.py::test_mlflow_against_a_real_tracking_server",
+    "tests/distributed/test_dist.py::test_kill_a_worker",
 )
 
 
