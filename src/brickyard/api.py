@@ -273,7 +273,7 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
 
 def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: str | None = None, limit: int = 0) -> dict:
     """One split's loss and accuracy for a checkpoint, as its run's test pass computes them. ``tta``
-    (none, flip, flip-shift) overrides the run's ``data.tta``; flip-shift moves images the run's
+    (none, flip, flip-shift, five-crop, multi-scale) overrides the run's ``data.tta``; flip-shift moves images the run's
     ``data.shift`` pixels, or 1 where the run had none. ``limit``: the first that many images of the split
     (0: all of it; the run's ``data.eval_limit`` does not apply). The result's ``count`` says how many."""
     path = ckpt.pick(Path(path))

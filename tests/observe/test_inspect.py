@@ -59,7 +59,9 @@ def test_run_writes_events_plots_and_rich_metrics(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ev = EventAccumulator(str(trained), size_guidance={"histograms": 0})
     ev.Reload()
-    assert {"train/loss", "train/lr", "val/accuracy", "test/accuracy"} <= set(ev.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "val/accuracy", "test/accuracy", "val/f1_macro", "val/balanced_accuracy",
+            "test/f1_macro", "test/precision_macro", "test/recall_macro", "test/f1_weighted"} <= set(ev.Tags()["scalars"])
+    assert all(0 <= r["f1_macro"] <= 1 for r in val) and len(test["f1"]) == 10
     assert any(t.startswith("grads/") for t in ev.Tags()["histograms"])
 
 

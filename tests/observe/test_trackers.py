@@ -36,6 +36,8 @@ def _check_mlflow(uri, run_dir, steps):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(4, steps + 1, 4))
     assert run.data.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
     assert "val_accuracy" in run.data.metrics
+    assert run.data.metrics["test_f1_macro"] == pytest.approx(summary["test_f1_macro"])
+    assert {"val_f1_macro", "val_balanced_accuracy", "test_precision_macro", "test_recall_macro"} <= set(run.data.metrics)
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "summary.json", "metrics.jsonl", "curves.png"} <= names
     return run.info.run_id

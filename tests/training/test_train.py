@@ -446,3 +446,20 @@ def test_fit_with_a_dataset(tmp_path):
                       config={"train": {"epochs": 2, "device": "cpu", "progress": "none"},
                               "data": {"batch_size": 16, "num_workers": 0}})
     assert summary["steps"] == 16 and summary["test_accuracy"] is not None
+
+
+@pytest.mark.fast
+def test_log_every_auto_reads_the_loss_about_fifty_times_a_run():
+    from brickyard.training.resolve import log_every
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [log_every("auto", n, cpu) for n in (294, 10, 100_000)] == [6, 1, 2000]  # the default run: 49 points, not 3
+    assert log_every("auto", 294, cuda) == 10 and log_every("auto", 100_000, cuda) == 2000  # never a sync a step on a GPU
+    assert log_every(7, 294, cuda) == 7
+
+
+def test_a_run_of_auto_log_every_writes_fifty_training_rows_and_says_its_choice_in_the_config_it_ran(tmp_path):
+    r = run_cli("train", *sets(*SYNTH, "train.epochs=7", "train.max_steps=100", "train.plots=false"),
+                "--run-dir", str(tmp_path / "r"))  # 16 steps an epoch: 100 steps, log_every auto
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["kind"] == "train"] == list(range(2, 101, 2))

@@ -105,3 +105,51 @@ def test_tta_says_it_needs_images(tmp_path):
     assert not (tmp_path / "r" / "checkpoints").exists()
     r = run_cli("train", "mnist", *sets(*SYNTH, "data.tta=mirror"), "--run-dir", str(tmp_path / "bad"))
     assert r.returncode == 2 and r.stderr.startswith("error: data.tta") and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.fast
+def test_five_crop_takes_the_corners_and_the_centre_scaled_back():
+    """On a 16 x 16 image the crops are 14 x 14 at (0, 0), (0, 2), (2, 0), (2, 2) and (1, 1), each scaled back to
+    16 x 16 (torchvision's FiveCrop, on the prepared image)."""
+    x = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(3))
+    up = [torch.nn.functional.interpolate(x[:, :, i:i + 14, j:j + 14], size=(16, 16), mode="bilinear", align_corners=False)
+          for i, j in ((0, 0), (0, 2), (2, 0), (2, 2), (1, 1))]
+    assert torch.allclose(tta_logits(Columns(), x, "five-crop"), _mean_probs(up), atol=1e-6)
+
+
+@pytest.mark.fast
+def test_multi_scale_centres_a_smaller_image_in_zeros_and_crops_a_larger_one_each_with_its_mirror():
+    seen = []
+
+    class Record(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.clone())
+            return x.mean(dim=(2, 3))
+    x = torch.rand(1, 1, 16, 16) + 1  # no zeros of its own
+    tta_logits(Record(), x, "multi-scale")
+    assert len(seen) == 6 and all(v.shape == x.shape for v in seen)
+    small, _, same, same_mirror, large, _ = seen
+    assert (small[..., 0, :] == 0).all() and (small[..., 1:15, 1:15] > 0).all()  # 14 x 14 in a border of zeros
+    assert torch.equal(same, x) and torch.equal(same_mirror, x.flip(3)) and (large > 0).all()
+
+
+def test_predict_with_tta_gives_the_views_mean_and_refuses_layer_outputs(tmp_path):
+    """`brickyard predict --tta five-crop` returns what the views' mean probabilities say (the checkpoint's own
+    model, scored in-process against the same input); layer outputs and TTA together are one sentence."""
+    import numpy as np
+
+    from brickyard.tools.predict import predict
+    run = tmp_path / "run"
+    api.train_config(load_config("mnist", [*SYNTH, "train.max_steps=3", "train.plots=false"]), run)
+    x = np.random.default_rng(0).integers(0, 256, (5, 28, 28, 1), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", x)
+    r = run_cli("predict", str(run), str(tmp_path / "x.npy"), "--tta", "five-crop")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = predict(run, torch.from_numpy(x), tta="five-crop")
+    plain = predict(run, torch.from_numpy(x))
+    assert got["predicted"] == want["predicted"].tolist()
+    assert not torch.allclose(want["probabilities"], plain["probabilities"])  # the views change the numbers
+    bad = run_cli("predict", str(run), str(tmp_path / "x.npy"), "--tta", "flip", "--outputs", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: tta: flip averages several views of each image, and layer outputs are of one view; predict without it.")

@@ -114,7 +114,7 @@ def argument(who: str, name: str, value, whole: bool = False, above: float | Non
 
 
 def monitored(metrics: dict, monitor: str, who: str, advice: str = "") -> float:
-    """The value of ``monitor`` (``val_loss``, ``val_accuracy``, ``val_top5``) in a validation's ``metrics``; one
+    """The value of ``monitor`` (``val_loss``, ``val_accuracy``, ``val_f1_macro``, ...) in a validation's ``metrics``; one
     sentence naming the metrics this run has where it has no such value (``who``: the callback or key that watches,
     ``advice``: what to do instead, appended)."""
     value = metrics.get(monitor[len("val_"):])

@@ -39,7 +39,7 @@ class Checkpointing(Callback):
 
 
 def score(val: dict, monitor: str) -> float:
-    """A validation's score under ``checkpoint.monitor``, higher better: an accuracy as it is, a loss negated
+    """A validation's score under ``checkpoint.monitor``, higher better: an accuracy or score as it is, a loss negated
     (``auto``: the accuracy where there is one, else the loss)."""
     if monitor == "auto":
         return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 from brickyard.callbacks.base import Callback, monitored
+from brickyard.config.checks import VAL_METRICS
 from brickyard.errors import ConfigError
 
-MONITORS = ("val_loss", "val_accuracy", "val_top5")
+MONITORS = VAL_METRICS
 
 
 class ReduceLROnPlateau(Callback):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from brickyard.config.checks import TTA
+
 # what `main` advises when the host's memory runs out during this command (it trains nothing: no batch size)
 MEMORY_ADVICE = "give fewer or smaller inputs at a time (every input is read before the model runs)"
 
@@ -20,6 +22,9 @@ def add(sub) -> None:
     pr.add_argument("--format", choices=("json", "npz"), default="json")
     pr.add_argument("--out", help="write to this file instead of printing")
     pr.add_argument("--device", default="cpu")
+    pr.add_argument("--tta", choices=TTA, default="none",
+                    help="test-time augmentation: each image's probabilities are the mean over its views (flip, "
+                         "flip-shift, five-crop, multi-scale: as brickyard eval's --tta)")
     pr.add_argument("--trust-code", action="store_true",
                     help="load a TorchScript or .pt2 program, which can run code it brings: only files from a source you "
                          "trust (checkpoints and safetensors files hold weights only and need no trust)")
@@ -36,7 +41,7 @@ def run(args) -> int:
         meta = load_checkpoint_model(args.checkpoint)[1]["meta"]
     outputs = [o for o in args.outputs.split(",") if o]
     x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
-    result = predict(args.checkpoint, x, outputs, args.device, trust_code=args.trust_code)
+    result = predict(args.checkpoint, x, outputs, args.device, trust_code=args.trust_code, tta=args.tta)
     text = write(result, names, outputs, args.format, Path(args.out) if args.out else None)
     if text:
         print(text)

@@ -11,6 +11,13 @@ from brickyard.errors import ConfigError
 
 _SIZED = ("resize", "center_crop", "random_resized_crop", "random_crop")
 
+# test-time augmentation (training.evaluation.views): data.tta, and eval's and predict's --tta
+TTA = ("none", "flip", "flip-shift", "five-crop", "multi-scale")
+# the validation metrics a key or callback can watch: a loss (lower is better) and scores (higher is better)
+VAL_METRICS = ("val_loss", "val_accuracy", "val_top5", "val_precision_macro", "val_recall_macro", "val_f1_macro",
+               "val_f1_weighted", "val_balanced_accuracy")
+
+
 
 def check_transform(key: str, spec) -> None:
     name, _, arg = str(spec).partition(":")

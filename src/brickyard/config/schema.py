@@ -2,9 +2,8 @@
 
 One frozen dataclass per section; ``Config`` holds them all. ``brickyard.config`` builds a ``Config``
 from defaults, a YAML file and ``--set`` overrides and checks it against these declarations (each key
-alone: ``config/values.py``), then each section checks itself (its ``check()``) and the rules across
-sections run (``config/rules.py``); docs/configuration.md's table is generated from them (``python -m brickyard.config``).
-"""
+alone: ``config/values.py``), then each section checks itself (its ``check()``) and the rules across sections run
+(``config/rules.py``); docs/configuration.md's table is generated from them (``python -m brickyard.config``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from brickyard.config import checks
 from brickyard.config.checks import BUILT_IN_LOGGERS, check_transform, init_method, logger_names, rand_augment_policy
 from brickyard.config.rules import RULES
 from brickyard.config.values import with_changes
@@ -70,7 +70,7 @@ class DataConfig(Section):
     cutmix: float = _opt(0.0, min=0.0, max=100.0, doc="cutmix Beta alpha, e.g. 1.0 (timm's --cutmix); with mixup, each batch uses one of the two at random")
     drop_last: bool = _opt(False, doc="training: leave out an epoch's last global batch when it is smaller than the others (torch's DataLoader drop_last; a DataLoader given to fit sets it); false keeps it, scaled by its size")
     balance: bool = _opt(False, doc="draw each epoch's training images at random with replacement, every class equally likely (torch's WeightedRandomSampler, weights 1 / the class's count), as many as the split holds: for a data set with rare classes")
-    tta: str = _opt("none", choices=("none", "flip", "flip-shift"), doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1)")
+    tta: str = _opt("none", choices=checks.TTA, doc="test-time augmentation for validation and test: flip averages each image's class probabilities with its mirror image's; flip-shift adds both moved data.shift pixels four ways (10 forward passes; data.shift at least 1); five-crop: the corners' and centre's crops of 0.875 of each side, scaled back (5 passes); multi-scale: the image at 0.875, 1 and 1.125 of its size and their mirrors (6 passes)")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     classes: tuple = _opt((), doc="keep only these class indices (relabelled 0..k-1), e.g. [5, 6, 7, 8, 9]; at least 2, each once")
     train_per_class: int = _opt(0, min=0, doc="keep only the first N training images of each class (0 = all)")
@@ -185,7 +185,7 @@ class ScheduleConfig(Section):
     step_epochs: float = _opt(1.0, min=0.0, doc="step: decay every this many epochs")
     gamma: float = _opt(0.1, min=0.0, max=1.0, doc="step: decay factor; plateau: the factor each reduction multiplies the rate by (Keras's factor; below 1)")
     pct_start: float = _opt(0.25, min=0.0, max=1.0, doc="onecycle: fraction of steps rising")
-    monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"), doc="plateau: the validation metric watched")
+    monitor: str = _opt("val_loss", choices=checks.VAL_METRICS, doc="plateau: the validation metric watched")
     patience: int = _opt(10, min=0, doc="plateau: validations without improvement before the rate is lowered (Keras's default 10)")
     min_delta: float = _opt(1e-4, min=0.0, doc="plateau: smaller changes of schedule.monitor do not count as improvement")
     cooldown: int = _opt(0, min=0, doc="plateau: validations after a reduction during which none is counted")
@@ -211,7 +211,7 @@ class TrainConfig(Section):
     grad_clip: float = _opt(0.0, min=0.0, doc="max gradient norm (0 = off)")
     seed: int = _opt(0, min=0)
     deterministic: bool = _opt(False, doc="deterministic kernels only (CUDA: `brickyard train` sets CUBLAS_WORKSPACE_CONFIG)")
-    log_every: int = _opt(100, min=1, doc="steps between loss read-backs")
+    log_every: int | str = _opt("auto", min=1, choices_str=("auto",), doc="steps between loss read-backs (each a host sync); auto: about 50 a run (its steps / 50), at least 10 steps apart on a GPU")
     eval_every: int = _opt(1, min=0, doc="epochs between validations (0 = only at the end)")
     test_every: int = _opt(0, min=0, doc="epochs between test evaluations during training (0 = only at the end)")
     progress: str = _opt("auto", choices=("auto", "bar", "plain", "none"))
@@ -227,7 +227,7 @@ class TrainConfig(Section):
     nan_guard: bool = _opt(True, doc="stop with the offending layer named when the loss becomes non-finite")
     stop_if_not_learning: bool = _opt(False, doc="end the run (exit 1) when the training loss sits at chance for 3 log windows; off: a warning")
     early_stopping: int = _opt(0, min=0, doc="stop after this many validations without improvement (0 = off)")
-    early_stopping_monitor: str = _opt("val_loss", choices=("val_loss", "val_accuracy", "val_top5"))
+    early_stopping_monitor: str = _opt("val_loss", choices=checks.VAL_METRICS)
     early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
     ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
     max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
@@ -264,7 +264,7 @@ class CheckpointConfig(Section):
     every_epoch: bool = _opt(True)
     keep_last: int = _opt(2, min=1)
     keep_best: bool = _opt(True)
-    monitor: str = _opt("auto", choices=("auto", "val_loss", "val_accuracy", "val_top5"), doc="the validation metric that picks best.pt (lower loss, higher accuracy); auto: val_accuracy where the run scores accuracy, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
+    monitor: str = _opt("auto", choices=("auto", *checks.VAL_METRICS), doc="the validation metric that picks best.pt (lower loss, higher accuracy and scores such as val_f1_macro); auto: val_accuracy where the run scores accuracy, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 ``EvalAccumulator`` keeps sums (loss, top-1, top-5, count) and, for class logits, a confusion matrix
 as device tensors; nothing is read back until ``result()``, after one all-reduce, but whether rows of
-float targets are class probabilities, checked once on the first batch. Outputs that are not class
-logits (a regression, a user's loss on other targets) get the loss alone.
+float targets are class probabilities, checked once on the first batch. Precision, recall, F1 and
+balanced accuracy come from the summed confusion matrix (``class_scores``), so they are exact on any
+number of processes. Outputs that are not class logits (a regression, a user's loss on other targets)
+get the loss alone.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from brickyard.distributed import process as dist
+from brickyard.observe.loggers import SCORES  # noqa: F401  (re-exported: the scores class_scores computes)
 
 
 def is_classification(out: torch.Tensor, y: torch.Tensor) -> bool:
@@ -97,7 +100,32 @@ class EvalAccumulator:
         confusion = self.confusion.view(self.c, self.c).cpu()
         per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1).double()).tolist()
         return {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count),
-                "per_class_accuracy": per_class, "confusion": confusion.tolist()}
+                "per_class_accuracy": per_class, "confusion": confusion.tolist(), **class_scores(confusion)}
+
+
+def class_scores(confusion: torch.Tensor) -> dict:
+    """Precision, recall and F1 of each class, their macro and support-weighted means, and balanced accuracy, from a
+    C x C confusion matrix (rows: true class, columns: predicted), as scikit-learn computes them from the same
+    predictions (``sklearn/metrics/_classification.py``, 1.9.1: ``precision_recall_fscore_support`` averages over
+    the labels present in the targets or the predictions, with 0 where a ratio divides by zero; ``average="weighted"``
+    weighs by support, l. 2205; ``balanced_accuracy_score`` is the mean recall over the classes the targets hold,
+    l. 2924-2941). The per-class lists cover every class, 0 where a class is neither present nor predicted."""
+    cm = confusion.double()
+    tp, support, predicted = cm.diag(), cm.sum(1), cm.sum(0)
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(support > 0, tp / support.clamp(min=1), torch.zeros_like(tp))
+    both = precision + recall
+    f1 = torch.where(both > 0, 2 * precision * recall / both.clamp(min=1e-300), torch.zeros_like(tp))
+    present = (support > 0) | (predicted > 0)
+    true = support > 0
+    total = support.sum().clamp(min=1)
+
+    def mean(v, where):
+        return (v[where].mean().item() if where.any() else 0.0)
+    return {"precision_macro": mean(precision, present), "recall_macro": mean(recall, present),
+            "f1_macro": mean(f1, present), "f1_weighted": ((f1 * support).sum() / total).item(),
+            "balanced_accuracy": mean(recall, true), "precision": precision.tolist(), "recall": recall.tolist(),
+            "f1": f1.tolist(), "support": support.long().tolist()}
 
 
 def fit_hint(train_acc: float, val_acc: float) -> str:

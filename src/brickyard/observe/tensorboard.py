@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from brickyard.files import naming
-from brickyard.observe.loggers import Logger, RunInfo
+from brickyard.observe.loggers import SCORES, Logger, RunInfo
 
 # the scalars each kind of row puts into TensorBoard, under which prefix (a test during training, which carries
 # its epoch, is ``test_during``; the final test ``test``)
 _SCALARS = {"train": ("train", ("loss", "accuracy", "lr", "images_per_second")),
-            "val": ("val", ("loss", "accuracy", "top5")), "test": ("test", ("loss", "accuracy", "top5")),
+            "val": ("val", ("loss", "accuracy", "top5", *SCORES)), "test": ("test", ("loss", "accuracy", "top5", *SCORES)),
             "test_during": ("test_during", ("loss", "accuracy"))}
 _files = itertools.count()
 

@@ -6,6 +6,7 @@ intensities; both are then normalised with the training mean/std saved in the ch
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from brickyard.config.checks import TTA
 from brickyard.data import _input_dtypes, layout
 from brickyard.data.augment import DevicePrep, float_dtype
 from brickyard.data.bundle import Split
@@ -24,6 +26,7 @@ from brickyard.observe.inspection import forward_with_outputs
 from brickyard.tools.export import is_exported, load_exported
 from brickyard.training import checkpoint as ckpt
 from brickyard.training import device as dev
+from brickyard.training.evaluation import tta_logits
 
 CHUNK = 256  # inputs through the model at once: a folder of thousands of photos is not one batch
 
@@ -155,7 +158,8 @@ def _prepared(x: torch.Tensor, meta: dict, model) -> torch.Tensor:
     return x
 
 
-def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False) -> dict[str, torch.Tensor]:
+def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False,
+            tta: str = "none") -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
@@ -165,11 +169,13 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     ``inputs``: a tensor / array N x C x H x W (or N x H x W x C, Keras's layout, where the model takes
     only N x C x H x W, as ``fit`` reads it: ``brickyard.data.layout``), a list of tensors, or image / ``.npy`` paths.
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
+    ``tta``: test-time augmentation (``data.tta``'s choices; flip-shift moves the checkpoint's ``data.shift``
+    pixels, or 1): the logits are the log of the views' mean probabilities, as ``brickyard eval`` scores them.
     ``device``: where to run (default: an ``nn.Module``'s own device, else the CPU). A module given is
     left as it was found: on its device, in its train or eval mode (a callback may call this on
     ``run.model`` in the middle of training).
     """
-    meta = {}
+    meta, shift = {}, 1
     if isinstance(model_or_checkpoint, torch.nn.Module):
         model = model_or_checkpoint
     elif is_exported(model_or_checkpoint):
@@ -178,10 +184,15 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
             raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
                                  f"safetensors export.")
     else:
-        model, state, _ = ckpt.load_model(model_or_checkpoint)
-        meta = state.get("meta", {})
+        model, state, cfg = ckpt.load_model(model_or_checkpoint)
+        meta, shift = state.get("meta", {}), cfg.data.shift or 1
     if isinstance(outputs, str):
         outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
+    if tta not in TTA:
+        raise BrickyardError(f"tta: {tta!r} is not one of {', '.join(TTA)}.")
+    if tta != "none" and (outputs or meta.get("normalises")):
+        why = "layer outputs are of one view" if outputs else "an exported program normalises its own inputs"
+        raise BrickyardError(f"tta: {tta} averages several views of each image, and {why}; predict without it.")
     x = _prepared(_as_batch(inputs, meta), meta, model)
     own = next((p.device for p in model.parameters()), None) if isinstance(model_or_checkpoint, torch.nn.Module) else None
     d = dev.resolve_device(device) if device is not None else (own or torch.device("cpu"))
@@ -191,7 +202,9 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     if not meta.get("normalises"):  # an exported program was traced in eval mode and cannot switch
         model.eval()
     try:
-        parts = [forward_with_outputs(model, chunk.to(d), list(outputs)) for chunk in x.split(CHUNK)]
+        with torch.no_grad() if tta != "none" else contextlib.nullcontext():
+            parts = [forward_with_outputs(model, chunk.to(d), list(outputs)) if tta == "none"
+                     else {"logits": tta_logits(model, chunk.to(d), tta, shift)} for chunk in x.split(CHUNK)]
         result = {k: torch.cat([part[k].cpu() for part in parts]) for k in parts[0]}
     finally:
         if was_training and not meta.get("normalises"):

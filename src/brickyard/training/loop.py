@@ -32,7 +32,7 @@ from brickyard.training import device as dev
 from brickyard.training import failures, precision, ways
 from brickyard.training.announce import announce, write_env
 from brickyard.training.evaluation import evaluate
-from brickyard.training.resolve import auto_batch, check_before_writing, check_placement, plan, run_dir_of
+from brickyard.training.resolve import auto_batch, check_before_writing, check_placement, log_every, plan, run_dir_of
 from brickyard.training.rundir import RunDir
 from brickyard.training.trainer import Interrupted, Job, Trainer, UserParts, serve
 
@@ -201,6 +201,8 @@ def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
     if s.resume and s.resume != "auto":
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint
     the_plan = plan(cfg, s.data, info, way.readers)  # batches, steps and schedule: decided once, here
+    if cfg.train.log_every == "auto":
+        cfg = cfg.replace(**{"train.log_every": log_every("auto", the_plan.total_steps, s.host.device)})
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
     compiled = dev.resolve_compile(cfg.train.compile, s.host.device, sum(p.numel() for p in s.model.parameters()),
                                    the_plan.total_steps)

@@ -105,6 +105,19 @@ def plan(cfg: Config, data, info, readers: int) -> Plan:
     return Plan(batches, per_epoch, total, peak, schedule)
 
 
+LOG_POINTS = 50  # train.log_every: auto reads the loss back about this many times a run
+GPU_LOG_EVERY = 10  # and on a GPU at least this many steps apart: each read-back waits for the device
+
+
+def log_every(setting, total_steps: int, device: torch.device) -> int:
+    """``train.log_every`` for a run of ``total_steps``: as set, or (auto) about ``LOG_POINTS`` read-backs, so a short
+    run's curves have points and a long one's log is not flooded (Keras logs each epoch, Lightning every 50 steps)."""
+    if setting != "auto":
+        return int(setting)
+    every = max(1, round(total_steps / LOG_POINTS))
+    return max(every, GPU_LOG_EVERY) if device.type == "cuda" else every
+
+
 def _schedule(cfg, readers: int, total: int, per_epoch: int):
     peak, sched_cfg = cfg.schedule.lr_max or cfg.optim.lr, cfg.schedule
     if cfg.dist.scale_lr == "linear" and readers > 1:

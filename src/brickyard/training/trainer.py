@@ -94,6 +94,7 @@ class Trainer:
     def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
+        self.log_every = int(cfg.train.log_every)  # resolved (auto: training.resolve.log_every)
         whole, self.model, self.channels_last = place(model, job, data, log)
         self.param_groups = way.held_groups(param_groups(whole, cfg.optim, find_head(whole) if cfg.finetune.head_lr_mult
                                                          != 1.0 else None, cfg.finetune.head_lr_mult), self.model)
@@ -243,7 +244,7 @@ class Trainer:
                     meter.add(result)
                     run.step += 1
                     self.metrics.progress(run.step)
-                    if run.step % self.config.train.log_every == 0 or run.step == run.total_steps:
+                    if run.step % self.log_every == 0 or run.step == run.total_steps:
                         self._log_step()
                     cbs.on_step_end(run, result.loss)
                     if stop := vote.should_stop(run.step, self.control.request):  # polled once per step

@@ -41,6 +41,10 @@ from pathlib import Path
 
 from brickyard.errors import ConfigError, reason
 
+# the class scores a validation's and a test's rows carry besides loss and accuracy (``observe.metrics.class_scores``;
+# higher is better): what TensorBoard and the trackers plot of them
+SCORES = ("precision_macro", "recall_macro", "f1_macro", "f1_weighted", "balanced_accuracy")
+
 __all__ = ["Logger", "RunInfo", "names", "choices", "check", "create", "GROUP"]
 
 GROUP = "brickyard.loggers"  # the entry-point group a user's package registers its loggers under
