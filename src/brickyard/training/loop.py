@@ -201,8 +201,9 @@ def _build(s: _Start, rundir: RunDir, opened: _Opened) -> Trainer | None:
     if s.resume and s.resume != "auto":
         rundir.check_resume_file(s.resume)  # once the file is known to be a checkpoint
     the_plan = plan(cfg, s.data, info, way.readers)  # batches, steps and schedule: decided once, here
-    if cfg.train.log_every == "auto":
+    if cfg.train.log_every == "auto":  # from the plan's steps; the way is made again from the final config
         cfg = cfg.replace(**{"train.log_every": log_every("auto", the_plan.total_steps, s.host.device)})
+        way = ways.choose(cfg, info, (opened.group, opened.messages))
     chosen, measured = precision.decide(cfg.train.precision, s.model, s.data, the_plan.batches.batch_size, s.host, info.rank)
     compiled = dev.resolve_compile(cfg.train.compile, s.host.device, sum(p.numel() for p in s.model.parameters()),
                                    the_plan.total_steps)
