@@ -32,10 +32,10 @@ def train(run_dir, *items, devices=None, resume=False):
 
 
 def reference(tmp_path_factory, *items):
-    """The 1-process run of ``VIT + items``, trained once a test session and shared by the tests that compare
+    """The 1-process run of ``VIT + items``, trained once per pytest run and shared by the tests that compare
     layouts against it, on any xdist worker (a lock file orders them; read only: ``moved`` copies from it)."""
     base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, whichever worker
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the pytest run's own folder, shared by its xdist workers
     run = root / f"vit-one-{hashlib.sha1(repr(items).encode()).hexdigest()[:10]}"
     with open(f"{run}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
