@@ -271,11 +271,14 @@ def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:
     return ckpt.load_model(path)
 
 
-def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: str | None = None, limit: int = 0) -> dict:
+def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: str | None = None, limit: int = 0,
+                        calibrated: bool = True) -> dict:
     """One split's loss and accuracy for a checkpoint, as its run's test pass computes them. ``tta``
     (none, flip, flip-shift, five-crop, multi-scale) overrides the run's ``data.tta``; flip-shift moves images the run's
     ``data.shift`` pixels, or 1 where the run had none. ``limit``: the first that many images of the split
-    (0: all of it; the run's ``data.eval_limit`` does not apply). The result's ``count`` says how many."""
+    (0: all of it; the run's ``data.eval_limit`` does not apply). The result's ``count`` says how many.
+    ``calibrated``: divide the logits by the temperature the checkpoint keeps (``train.calibrate``), as its run's
+    test did; False scores the raw outputs."""
     path = ckpt.pick(Path(path))
     model, state, cfg = ckpt.load_model(path)
     tta = cfg.data.tta if tta is None else tta
@@ -297,5 +300,6 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: st
     precision = for_model(cfg.train.precision, model, data, batch if batch > 1 else cfg.data.eval_batch_size, d, cl)
     prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d, float_dtype=float_dtype(model))
     r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
-                 tta=tta, shift=cfg.data.shift or 1, limit=limit)
+                 tta=tta, shift=cfg.data.shift or 1, limit=limit,
+                 temperature=ckpt.temperature(state, path) if calibrated else 1.0)
     return {"checkpoint": str(path), "split": split, "step": state["step"], "tta": tta, **r}

@@ -46,7 +46,7 @@ def test_accumulator_matches_a_direct_computation():
 
 def test_run_writes_events_plots_and_rich_metrics(trained):
     assert list(trained.glob("events.out.tfevents.*"))
-    for png in ("curves.png", "confusion.png", "misclassified.png"):
+    for png in ("curves.png", "confusion.png", "misclassified.png", "reliability.png"):
         assert (trained / png).stat().st_size > 1000, png
     rows = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["kind"] == "val"]
@@ -60,7 +60,10 @@ def test_run_writes_events_plots_and_rich_metrics(trained):
     ev = EventAccumulator(str(trained), size_guidance={"histograms": 0})
     ev.Reload()
     assert {"train/loss", "train/lr", "val/accuracy", "test/accuracy", "val/f1_macro", "val/balanced_accuracy",
-            "test/f1_macro", "test/precision_macro", "test/recall_macro", "test/f1_weighted"} <= set(ev.Tags()["scalars"])
+            "test/f1_macro", "test/precision_macro", "test/recall_macro", "test/f1_weighted", "val/ece",
+            "test/ece"} <= set(ev.Tags()["scalars"])
+    assert ev.Tags()["images"] == ["test/reliability"]  # the reliability diagram, once
+    assert 0 <= test["ece"] <= 1 and sum(test["reliability"]["count"]) == 128
     assert all(0 <= r["f1_macro"] <= 1 for r in val) and len(test["f1"]) == 10
     assert any(t.startswith("grads/") for t in ev.Tags()["histograms"])
 

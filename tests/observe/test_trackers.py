@@ -37,9 +37,10 @@ def _check_mlflow(uri, run_dir, steps):
     assert run.data.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
     assert "val_accuracy" in run.data.metrics
     assert run.data.metrics["test_f1_macro"] == pytest.approx(summary["test_f1_macro"])
-    assert {"val_f1_macro", "val_balanced_accuracy", "test_precision_macro", "test_recall_macro"} <= set(run.data.metrics)
+    assert {"val_f1_macro", "val_balanced_accuracy", "test_precision_macro", "test_recall_macro", "val_ece",
+            "test_ece"} <= set(run.data.metrics)
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "summary.json", "metrics.jsonl", "curves.png"} <= names
+    assert {"config.yaml", "summary.json", "metrics.jsonl", "curves.png", "reliability.png"} <= names
     return run.info.run_id
 
 

@@ -43,7 +43,7 @@ ONE_THREAD = [*BENCH, "train.threads=1"]
 
 
 def test_bench_bad_spec_is_one_line():
-    r = run_cli("bench", "mnist", *sets(*ONE_THREAD), "--devices", "cpu", "tpu:3", "--steps", "2", "--warmup", "0")
+    r = run_cli("bench", "mnist", *sets(*ONE_THREAD), "--devices", "tpu:3", "--steps", "2", "--warmup", "0")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: bench --devices tpu:3 failed: "), r.stderr
     assert lines[0].count("error:") == 1, lines[0]  # the failed run's own "error: " is not repeated inside

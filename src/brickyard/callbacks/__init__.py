@@ -10,8 +10,9 @@ from brickyard.callbacks.ema import EMA
 from brickyard.callbacks.layer_outputs import LayerOutputs
 from brickyard.callbacks.max_time import MaxTime
 from brickyard.callbacks.reduce_lr import ReduceLROnPlateau
+from brickyard.callbacks.swa import SWA
 
-__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "ReduceLROnPlateau",
+__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "ReduceLROnPlateau", "SWA",
            "from_config"]
 
 
@@ -25,6 +26,9 @@ def from_config(cfg) -> list[Callback]:
         out.append(ReduceLROnPlateau(s.monitor, s.gamma, s.patience, s.min_delta, s.cooldown, s.lr_end))
     if t.ema:
         out.append(EMA(t.ema))
+    if t.swa.start:
+        w = t.swa
+        out.append(SWA(w.start, w.lr or None, w.anneal, None if w.every == "auto" else int(w.every), w.bn_update))
     if t.max_time_s:
         out.append(MaxTime(t.max_time_s))
     return out

@@ -29,6 +29,8 @@ def add(sub) -> None:
                         "multi-scale: the image at 0.875, 1 and 1.125 of its size, each with its mirror")
     e.add_argument("--limit", type=int, default=0, metavar="N",
                    help="the first N images of the split only (default 0: all of it, whatever the run's data.eval_limit)")
+    e.add_argument("--uncalibrated", action="store_true",
+                   help="score the raw outputs, not divided by the temperature the checkpoint keeps (train.calibrate)")
 
 
 def run(args) -> int:
@@ -36,6 +38,6 @@ def run(args) -> int:
         raise BrickyardError(f"--limit {args.limit}: give a number of images (0: the whole split).")
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard.api import evaluate_checkpoint
-    r = evaluate_checkpoint(args.checkpoint, args.split, args.device, args.tta, args.limit)
+    r = evaluate_checkpoint(args.checkpoint, args.split, args.device, args.tta, args.limit, not args.uncalibrated)
     print(json.dumps(r))
     return 0

@@ -25,6 +25,9 @@ def add(sub) -> None:
     pr.add_argument("--tta", choices=TTA, default="none",
                     help="test-time augmentation: each image's probabilities are the mean over its views (flip, "
                          "flip-shift, five-crop, multi-scale: as brickyard eval's --tta)")
+    pr.add_argument("--uncalibrated", action="store_true",
+                    help="probabilities of the raw outputs, not divided by the temperature the checkpoint keeps "
+                         "(train.calibrate)")
     pr.add_argument("--trust-code", action="store_true",
                     help="load a TorchScript or .pt2 program, which can run code it brings: only files from a source you "
                          "trust (checkpoints and safetensors files hold weights only and need no trust)")
@@ -41,7 +44,8 @@ def run(args) -> int:
         meta = load_checkpoint_model(args.checkpoint)[1]["meta"]
     outputs = [o for o in args.outputs.split(",") if o]
     x, names = load_inputs(args.inputs, meta["in_channels"], meta["image_size"])
-    result = predict(args.checkpoint, x, outputs, args.device, trust_code=args.trust_code, tta=args.tta)
+    result = predict(args.checkpoint, x, outputs, args.device, trust_code=args.trust_code, tta=args.tta,
+                     calibrated=not args.uncalibrated)
     text = write(result, names, outputs, args.format, Path(args.out) if args.out else None)
     if text:
         print(text)

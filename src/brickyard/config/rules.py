@@ -87,6 +87,12 @@ def dim_reduce_is_collective(boost, dist) -> None:
 
 
 @across("train", "dist")
+def swa_is_collective(train, dist) -> None:
+    if train.swa.start and dist.mode == "ps":
+        raise ConfigError("train.swa runs in the collective mode (dist.mode: collective): the servers hold the weights.")
+
+
+@across("train", "dist")
 def synchronous_ps_runs_to_the_end(train, dist) -> None:
     stops = [k for k, on in (("train.early_stopping", train.early_stopping), ("train.max_time_s", train.max_time_s)) if on]
     if stops and dist.mode == "ps" and dist.ps.sync:
@@ -108,6 +114,7 @@ def pipeline_alone(dist, boost, train, data, optim) -> None:
         (boost.dim_reduce.enabled or boost.snapshots.enabled, "boost (its snapshots and subspace are of the whole parameter vector)"),
         (train.grad_accum != 1, f"train.grad_accum: {train.grad_accum} (the microbatches are the accumulation)"),
         (bool(train.ema), "train.ema (each stage would average and save its own weights only)"),
+        (bool(train.swa.start), "train.swa (each stage would average and save its own weights only)"),
         (bool(optim.l1), "optim.l1 (the pipeline's step adds no penalty yet)"),
         (dist.sync_bn, "dist.sync_bn (its statistics would span every stage's processes)"),
     ) if on]

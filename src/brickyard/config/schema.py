@@ -13,28 +13,11 @@ from typing import Any
 
 from brickyard.config import checks
 from brickyard.config.checks import BUILT_IN_LOGGERS, check_transform, init_method, logger_names, rand_augment_policy
+from brickyard.config.dist import DistConfig, FSDPConfig, PipelineConfig, PSConfig  # noqa: F401  (the sections, from one place)
+from brickyard.config.fields import Section, _opt
 from brickyard.config.rules import RULES
 from brickyard.config.values import with_changes
 from brickyard.errors import ConfigError
-
-
-def _opt(default, *, choices=None, min=None, max=None, doc="", item=None, choices_str=None, names=False):
-    """A config field with validation metadata (``choices``, inclusive ``min``/``max``, list ``item``
-    class, ``choices_str``: the strings a number-or-string field accepts, ``names``: a list of module or
-    parameter name patterns, whose whole numbers are names too: YAML reads ``[0, fc]`` as 0 and 'fc')."""
-    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "item": item, "choices_str": choices_str, "names": names}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class Section:
-    """A config section: keys declared with ``_opt``, each checked alone as the config is built
-    (``config/values.py``); ``check()`` holds the rules among the section's own keys."""
-
-    def check(self) -> None:
-        """Raise ``ConfigError`` where keys this section allows one by one do not go together. Run after
-        every key's own check, whenever a config is built or replaced; the default: no such rule."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +180,19 @@ class ScheduleConfig(Section):
 
 
 @dataclass(frozen=True)
+class SWAConfig(Section):
+    start: float = _opt(0.0, min=0.0, max=1e6, doc="stochastic weight averaging from here: below 1 a fraction of the run's steps (0.75: its last quarter), else the epoch it begins in, counted from 1 (Lightning's swa_epoch_start); validation, best.pt and the final weights use the average (0 = off); docs/training.md")
+    lr: float = _opt(0.0, min=0.0, doc="the rate it anneals to from its start and then holds (torch's SWALR, cosine); 0: the schedule's rate goes on")
+    anneal: float = _opt(0.2, min=0.0, max=1.0, doc="the part of the averaging phase over which the rate anneals to train.swa.lr")
+    every: int | str = _opt("auto", min=1, choices_str=("auto",), doc="steps between averages; auto: once an epoch, or ten times in a phase shorter than ten epochs")
+    bn_update: bool = _opt(True, doc="recompute batch norm's statistics for the average before the last validation, with one pass over the training data (torch's update_bn); models without batch norm skip it")
+
+    def check(self) -> None:
+        if self.start >= 1 and self.start != int(self.start):
+            raise ConfigError(f"train.swa.start: {self.start} is neither a fraction of the run (below 1, e.g. 0.75) nor an epoch (a whole number from 1).")
+
+
+@dataclass(frozen=True)
 class TrainConfig(Section):
     epochs: float = _opt(1.0, min=0.0, max=1e6, doc="may be fractional")
     max_steps: int = _opt(0, min=0, doc="stop after this many optimiser steps (0 = no limit); the schedule is still planned over train.epochs (with epochs 0: over max_steps)")
@@ -230,12 +226,17 @@ class TrainConfig(Section):
     early_stopping_monitor: str = _opt("val_loss", choices=checks.VAL_METRICS)
     early_stopping_min_delta: float = _opt(0.0, min=0.0, doc="smaller changes do not count as improvement")
     ema: float = _opt(0.0, min=0.0, max=0.999999, doc="weight averaging decay, e.g. 0.999; evaluation and best.pt use the average (0 = off)")
+    swa: SWAConfig = field(default_factory=SWAConfig)
+    calibrate: bool = _opt(False, doc="temperature scaling: at each validation, fit the temperature dividing the logits that minimises the validation loss; the checkpoints keep it and the test, eval and predict use it (--uncalibrated: the raw outputs); docs/observability.md")
     max_time_s: float = _opt(0.0, min=0.0, max=1e9, doc="stop the training loop after this many seconds, with a checkpoint (0 = no limit)")
     csv_log: bool = _opt(False, doc="true adds csv to train.loggers (kept for one version: use train.loggers)")
     profile_steps: tuple = _opt((), doc="[a, b]: record steps a to b - 1 with torch.profiler (CPU operators; CUDA kernels on GPUs) into train.profile_dir, for TensorBoard's profile plugin or Chrome's trace viewer")
     profile_dir: str | None = _opt(None, doc="where profile traces go (default RUN_DIR/profile)")
 
     def check(self) -> None:
+        self.swa.check()
+        if self.swa.start and self.ema:
+            raise ConfigError("train.swa and train.ema each choose the weights evaluated and saved; turn one off.")
         steps = tuple(self.profile_steps)
         if steps and (len(steps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)
                       or steps[1] <= steps[0] or steps[1] - steps[0] > 1000):
@@ -265,52 +266,6 @@ class CheckpointConfig(Section):
     keep_last: int = _opt(2, min=1)
     keep_best: bool = _opt(True)
     monitor: str = _opt("auto", choices=("auto", *checks.VAL_METRICS), doc="the validation metric that picks best.pt (lower loss, higher accuracy and scores such as val_f1_macro); auto: val_accuracy where the run scores accuracy, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
-
-
-@dataclass(frozen=True)
-class PSConfig(Section):
-    servers: int = _opt(1, min=1)
-    sync: bool = _opt(True)
-    max_staleness: int = _opt(2, min=0)
-
-
-@dataclass(frozen=True)
-class FSDPConfig(Section):
-    blocks: tuple | str = _opt("auto", choices_str=("auto",), names=True, doc="modules sharded one by one (name patterns); auto: the model family's blocks (ViT blocks.*, ResNet layer?.*, VGG features); the rest is sharded with the root")
-    offload: bool = _opt(False, doc="keep the sharded parameters, gradients and optimiser state in host memory (GPUs; a CPU run already does)")
-    reshard_after_forward: bool = _opt(True, doc="free the gathered parameters after each block's forward (false: keep them until the backward, more memory and less communication)")
-
-
-@dataclass(frozen=True)
-class PipelineConfig(Section):
-    stages: int = _opt(1, min=1, doc="pipeline stages: the model split at block boundaries into this many parts, one a process (1: off); docs/distributed.md")
-    schedule: str = _opt("gpipe", choices=("gpipe", "1f1b"), doc="torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B")
-    microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into; auto: 2 x stages")
-    split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced as dist.pipeline.balance says")
-    balance: str = _opt("params", choices=("params", "time", "memory"), doc="where the stages are cut without a split: params (each stage near 1/N of the parameters), time (of each block's forward and backward, measured on rank 0) or memory (the largest stage's parameters, gradients, optimiser state and activations in flight as small as it can be; `brickyard memory` shows each stage's)")
-
-    def microbatch_count(self) -> int:  # auto: 2 x stages, so each stage has a second microbatch to work on
-        return 2 * self.stages if self.microbatches == "auto" else int(self.microbatches)
-
-
-@dataclass(frozen=True)
-class DistConfig(Section):
-    mode: str = _opt("collective", choices=("collective", "ps"))
-    strategy: str = _opt("ddp", choices=("ddp", "fsdp"), doc="ddp: every rank holds the whole model; fsdp: each holds 1/world of the parameters, gradients and optimiser state (FSDP2); docs/distributed.md")
-    backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
-    scale_lr: str = _opt("none", choices=("none", "linear"))
-    scale_warmup_epochs: float = _opt(0.5, min=0.0, doc="warm-up used with scale_lr: linear")
-    timeout_s: int = _opt(300, min=1, max=7 * 86400, doc="seconds a rank waits for the others (joining, a collective) before the job ends")
-    grad_sync: str = _opt("auto", choices=("auto", "ddp", "flat"), doc="ddp, or flat: one all-reduce after backward (auto: flat on CPUs, ddp on GPUs)")
-    sync_bn: bool = _opt(False, doc="batch norm over the global batch (torch's SyncBatchNorm; GPUs only)")
-    tensor_parallel: int = _opt(1, min=1, doc="processes each layer's work is split across (Megatron-style column then row parallel linear layers, torch.distributed.tensor.parallel); 1: off; docs/distributed.md")
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    ps: PSConfig = field(default_factory=PSConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-
-    def check(self) -> None:
-        if self.grad_sync == "flat" and self.sync_bn:
-            raise ConfigError("dist.grad_sync: flat does not run SyncBatchNorm (dist.sync_bn: true); use dist.grad_sync: ddp or auto.")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 ``EvalAccumulator`` keeps sums (loss, top-1, top-5, count) and, for class logits, a confusion matrix
 as device tensors; nothing is read back until ``result()``, after one all-reduce, but whether rows of
 float targets are class probabilities, checked once on the first batch. Precision, recall, F1 and
-balanced accuracy come from the summed confusion matrix (``class_scores``), so they are exact on any
-number of processes. Outputs that are not class logits (a regression, a user's loss on other targets)
+balanced accuracy come from the summed confusion matrix (``class_scores``), and the calibration error from binned
+sums (``observe.calibration``), so they are exact on any number of processes. Outputs that are not class logits (a regression, a user's loss on other targets)
 get the loss alone.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from brickyard.distributed import process as dist
+from brickyard.observe.calibration import Bins
 from brickyard.observe.loggers import SCORES  # noqa: F401  (re-exported: the scores class_scores computes)
 
 
@@ -60,24 +61,41 @@ def _cross_entropy_sum(logits, y):
 
 
 class EvalAccumulator:
-    def __init__(self, num_classes: int, device: torch.device, loss_sum=None):
+    """A split's sums. ``temperature``: the class logits are divided by it before anything is scored (temperature
+    scaling: the loss, the calibration error and the probabilities change, the predictions do not), and the
+    calibration error of the raw logits is kept beside (``ece_uncalibrated``). ``keep``: a list this rank's
+    ``(raw logits, classes)`` batches are appended to (for ``observe.calibration.fit_temperature``)."""
+
+    def __init__(self, num_classes: int, device: torch.device, loss_sum=None, temperature: float = 1.0,
+                 keep: list | None = None):
         self.c, self.loss_sum = max(num_classes, 1), loss_sum or _cross_entropy_sum
         self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, top1, top5
         self.count = 0  # samples: a host number (a tensor made from it each batch would wait for the GPU)
         self.confusion = torch.zeros(self.c * self.c, device=device, dtype=torch.int64)
         self.classify, self.with_confusion = None, False
+        self.temperature, self.keep = temperature, keep
+        self.bins = Bins(device)
+        self.raw_bins = Bins(device) if temperature != 1.0 else None
 
     def update(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Add a batch; returns the predicted classes (None when the outputs are not class logits)."""
         if self.classify is None:
             self.classify = is_classification(out, y)
             self.with_confusion = self.classify and out.shape[1] == self.c
+        raw = out
+        if self.classify and self.temperature != 1.0:
+            out = out.float() / self.temperature
         loss = self.loss_sum(out, y).double()
         self.count += len(y)
         y = class_targets(y) if self.classify else y
         if not self.classify:
             self.sums[0] += loss
             return None
+        self.bins.update(out, y)
+        if self.raw_bins is not None:
+            self.raw_bins.update(raw, y)
+        if self.keep is not None:
+            self.keep.append((raw.detach().float(), y))
         logits = out.float()
         pred = logits.argmax(1)
         k = min(5, logits.shape[1])
@@ -91,16 +109,20 @@ class EvalAccumulator:
         sums = torch.cat([self.sums, self.sums.new_tensor([float(self.count)])])
         dist.all_reduce_sum(sums, group)
         dist.all_reduce_sum(self.confusion, group)  # on every rank, also one whose share was empty
+        (ece, table), raw = self.bins.result(group), self.raw_bins.result(group) if self.raw_bins else None  # every rank
         loss, top1, top5, count = sums.tolist()
         n = max(count, 1)
         if self.classify is False:
             return {"loss": loss / n, "accuracy": None, "top5": None, "count": int(count)}
-        if not self.with_confusion and self.classify:
-            return {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count)}
+        out = {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count), "ece": ece,
+               "reliability": table}
+        if raw is not None:
+            out.update(ece_uncalibrated=raw[0], temperature=self.temperature)
+        if not self.with_confusion:
+            return out
         confusion = self.confusion.view(self.c, self.c).cpu()
         per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1).double()).tolist()
-        return {"loss": loss / n, "accuracy": top1 / n, "top5": top5 / n, "count": int(count),
-                "per_class_accuracy": per_class, "confusion": confusion.tolist(), **class_scores(confusion)}
+        return {**out, "per_class_accuracy": per_class, "confusion": confusion.tolist(), **class_scores(confusion)}
 
 
 def class_scores(confusion: torch.Tensor) -> dict:

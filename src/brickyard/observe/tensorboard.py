@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from brickyard.files import naming
-from brickyard.observe.loggers import SCORES, Logger, RunInfo
+from brickyard.observe.loggers import QUOTED, Logger, RunInfo
 
 # the scalars each kind of row puts into TensorBoard, under which prefix (a test during training, which carries
 # its epoch, is ``test_during``; the final test ``test``)
 _SCALARS = {"train": ("train", ("loss", "accuracy", "lr", "images_per_second")),
-            "val": ("val", ("loss", "accuracy", "top5", *SCORES)), "test": ("test", ("loss", "accuracy", "top5", *SCORES)),
+            "val": ("val", ("loss", "accuracy", "top5", *QUOTED)), "test": ("test", ("loss", "accuracy", "top5", *QUOTED)),
             "test_during": ("test_during", ("loss", "accuracy"))}
 _files = itertools.count()
 
@@ -31,7 +31,8 @@ def _tensorflow_bins() -> list[float]:
 
 class TensorBoard(Logger):
     """``tensorboard``: an event file in the run directory (``tensorboard --logdir runs/``): train loss, accuracy,
-    learning rate and images/s at the log steps, validation and test metrics, ``train.watch`` statistics under
+    learning rate and images/s at the log steps, validation and test metrics (the test's reliability diagram as an
+    image, ``test/reliability``), ``train.watch`` statistics under
     ``watch/LAYER``, and weight and gradient histograms (``train.histograms_every``).
 
     The events are written by this thread, as rows come, into a file flushed after each row: a failed write (a
@@ -50,12 +51,12 @@ class TensorBoard(Logger):
         try:
             from tensorboard.compat.proto.event_pb2 import Event  # optional dependency (brickyard[viz])
             from tensorboard.summary.writer.record_writer import RecordWriter
-            from torch.utils.tensorboard.summary import histogram, scalar
+            from torch.utils.tensorboard.summary import histogram, image, scalar
         except ImportError:
             run.warn("train.tensorboard is on but the tensorboard package is not installed (pip install tensorboard); "
                      "no event files.")
             return
-        self.folder, self.proto = Path(run.run_dir), (Event, RecordWriter, scalar, histogram)
+        self.folder, self.proto = Path(run.run_dir), (Event, RecordWriter, scalar, histogram, image)
 
     def _open(self) -> bool:
         if self.records is None and self.folder is not None:
@@ -92,6 +93,13 @@ class TensorBoard(Logger):
         if scalars and self._open():
             scalar = self.proto[2]
             self._summaries(row["step"], [scalar(tag, v) for tag, v in scalars])
+        if kind == "test" and "reliability" in row and self._open():  # the final test's reliability diagram, as a picture
+            import numpy as np
+
+            from brickyard.observe.plots import reliability_image
+            picture = reliability_image(row)
+            if picture is not None:
+                self._summaries(row["step"], [self.proto[4]("test/reliability", np.asarray(picture), dataformats="HWC")])
 
     def log_histograms(self, step: int, tensors: dict) -> None:
         if tensors and self._open():

@@ -61,6 +61,8 @@ def export(source, fmt: str, out: Path | None = None, notes: list | None = None)
     meta = {k: state["meta"].get(k) for k in ("name", "classes", "mean", "std", "image_size", "in_channels", "num_classes")}
     # the model.* options the run built its layers with (a ViT's patch size, VGG's head): safetensors rebuilds from them
     meta.update(registry=True, format=fmt, step=state["step"], options=dict(state["meta"].get("options") or {}))
+    if "temperature" in state["meta"]:  # train.calibrate's: predict divides the logits by it (a program's stay raw)
+        meta["temperature"] = ckpt.temperature(state, path)
     out = Path(out) if out else path.with_suffix(FORMATS[fmt])
     if not out.name.endswith(FORMATS[fmt]) or out.name == FORMATS[fmt]:
         raise BrickyardError(f"--out {out}: a {fmt} file's name ends in {FORMATS[fmt]} (that is how predict knows it).")

@@ -158,8 +158,22 @@ def _prepared(x: torch.Tensor, meta: dict, model) -> torch.Tensor:
     return x
 
 
+def _source(model_or_checkpoint, outputs, trust_code: bool) -> tuple[torch.nn.Module, dict, int]:
+    """(model, its metadata, the pixels flip-shift moves) of what ``predict`` was given."""
+    if isinstance(model_or_checkpoint, torch.nn.Module):
+        return model_or_checkpoint, {}, 1
+    if is_exported(model_or_checkpoint):
+        model, meta = load_exported(model_or_checkpoint, trust_code)
+        if outputs and meta.get("normalises"):
+            raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
+                                 f"safetensors export.")
+        return model, meta, 1
+    model, state, cfg = ckpt.load_model(model_or_checkpoint)
+    return model, state.get("meta", {}), cfg.data.shift or 1
+
+
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False,
-            tta: str = "none") -> dict[str, torch.Tensor]:
+            tta: str = "none", calibrated: bool = True) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
 
     ``model_or_checkpoint``: a checkpoint or run directory, an exported file (``brickyard export``), or an
@@ -171,21 +185,13 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
     ``trust_code``: load a TorchScript or ``.pt2`` program, which can run code it brings (refused without).
     ``tta``: test-time augmentation (``data.tta``'s choices; flip-shift moves the checkpoint's ``data.shift``
     pixels, or 1): the logits are the log of the views' mean probabilities, as ``brickyard eval`` scores them.
+    ``calibrated``: the probabilities of the logits divided by the temperature a checkpoint (or a safetensors export of
+    it) keeps (``train.calibrate``); False, or a model without one: of the raw logits, which are returned as they are.
     ``device``: where to run (default: an ``nn.Module``'s own device, else the CPU). A module given is
     left as it was found: on its device, in its train or eval mode (a callback may call this on
     ``run.model`` in the middle of training).
     """
-    meta, shift = {}, 1
-    if isinstance(model_or_checkpoint, torch.nn.Module):
-        model = model_or_checkpoint
-    elif is_exported(model_or_checkpoint):
-        model, meta = load_exported(model_or_checkpoint, trust_code)
-        if outputs and meta.get("normalises"):
-            raise BrickyardError(f"{model_or_checkpoint} is a traced program: layer outputs need the checkpoint or a "
-                                 f"safetensors export.")
-    else:
-        model, state, cfg = ckpt.load_model(model_or_checkpoint)
-        meta, shift = state.get("meta", {}), cfg.data.shift or 1
+    model, meta, shift = _source(model_or_checkpoint, outputs, trust_code)
     if isinstance(outputs, str):
         outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
     if tta not in TTA:
@@ -212,7 +218,8 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
         if own is not None and own != d:
             model.to(own)
     logits = result["logits"].float()
-    out = {"predicted": logits.argmax(1).cpu(), "probabilities": logits.softmax(1).cpu(), "logits": logits.cpu()}
+    t = ckpt.temperature({"meta": meta}, model_or_checkpoint) if calibrated else 1.0
+    out = {"predicted": logits.argmax(1).cpu(), "probabilities": (logits / t).softmax(1).cpu(), "logits": logits.cpu()}
     out.update({k: v.cpu() for k, v in result.items() if k != "logits"})
     out["classes"] = meta.get("classes", [])
     return out

@@ -16,6 +16,7 @@ refuses any pickled object other than tensors and plain containers, so a checkpo
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -213,3 +214,13 @@ def load_model(path) -> tuple[torch.nn.Module, dict, Config]:
     check_model(state, model, Path(path))
     model.load_state_dict(state["model"])
     return model, state, cfg
+
+
+def temperature(state: dict, path) -> float:
+    """The temperature ``train.calibrate`` kept in a checkpoint's ``meta`` (1: none kept), checked: a stranger's value
+    that is not a positive finite number is one sentence."""
+    meta = state.get("meta")
+    t = meta.get("temperature", 1.0) if isinstance(meta, dict) else 1.0
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise CheckpointError(f"checkpoint {path}: its temperature {str(t)[:40]} is not a positive number.")
+    return float(t)

@@ -11,9 +11,12 @@ from torch import nn
 from brickyard.data import Split
 from brickyard.data.loaders import eval_batches, eval_count
 from brickyard.distributed import fsdp
+from brickyard.distributed.process import all_reduce_sum
 from brickyard.errors import BrickyardError
 from brickyard.files import write_json, write_torch
-from brickyard.observe.metrics import SCORES, EvalAccumulator, class_targets
+from brickyard.observe.calibration import fit_temperature
+from brickyard.observe.loggers import QUOTED
+from brickyard.observe.metrics import EvalAccumulator, class_targets
 from brickyard.observe.plots import plot_runs
 from brickyard.training import device as dev
 
@@ -21,7 +24,7 @@ from brickyard.training import device as dev
 def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,
              num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
              num_workers: int = 0, loss_sum=None, lockstep: bool = False, tta: str = "none", shift: int = 1,
-             limit: int = 0) -> dict:
+             limit: int = 0, temperature: float = 1.0, keep: list | None = None) -> dict:
     """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
     exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
     rank's misclassified raw images with true and predicted labels (host syncs; test time only).
@@ -30,13 +33,14 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     ``tta``: test-time augmentation (``data.tta``): ``flip`` scores each image by the mean of its own and
     its mirror image's class probabilities; ``flip-shift`` adds both moved by ``shift`` pixels up, down,
     left and right (10 views, zeros filled in as the training shifts do). ``limit``: the first that many
-    samples of ``split`` only (``data.eval_limit``; 0: all)."""
+    samples of ``split`` only (``data.eval_limit``; 0: all). ``temperature`` and ``keep``: temperature scaling's
+    divisor of the logits, and a list this rank's raw logits are kept in (``EvalAccumulator``)."""
     def forward(x):
         return model(prep(x)) if tta == "none" else tta_logits(model, prep(x), tta, shift)
 
     was_training = model.training
     model.eval()
-    acc = EvalAccumulator(num_classes, device, loss_sum)
+    acc = EvalAccumulator(num_classes, device, loss_sum, temperature, keep)
     errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank, num_workers, limit):
@@ -125,19 +129,53 @@ def _centred(v: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class SplitEvaluator:
     """``evaluate`` with a run's model (its evaluation weights: EMA's average when on), data and ranks:
-    ``evaluator(run, split, keep_errors)``."""
+    ``evaluator(run, split, keep_errors)``. It owns the run's temperature (``train.calibrate``): fitted on the
+    raw logits of each validation (``fit=True``), it divides the logits of every other evaluation (the test)."""
 
     def __init__(self, prep, loss_sum, readers: int, reader: int, group, lockstep: bool):
         self.prep, self.loss_sum, self.readers, self.reader = prep, loss_sum, readers, reader
         self.group, self.lockstep = group, lockstep
+        self.temperature = 1.0
 
-    def __call__(self, run, split: Split, keep_errors: int = 0) -> dict:
+    def __call__(self, run, split: Split, keep_errors: int = 0, fit: bool = False) -> dict:
         c = run.config
+        kept: list = []
         with run.eval_weights():
-            return evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
-                            run.data.num_classes, self.readers, self.reader, self.group, keep_errors,
-                            c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
-                            shift=c.data.shift, limit=c.data.eval_limit)
+            r = evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
+                         run.data.num_classes, self.readers, self.reader, self.group, keep_errors,
+                         c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
+                         shift=c.data.shift, limit=c.data.eval_limit, temperature=1.0 if fit else self.temperature,
+                         keep=kept if fit else None)
+        if fit:  # every rank (a collective), also one whose share was empty
+            t = fit_temperature(kept, run.device, self.group)
+            if r["accuracy"] is not None:
+                self.temperature = r["temperature"] = t
+        return r
+
+
+    def recompute_bn(self, run) -> bool:
+        """Batch norm's running statistics recomputed for the weights the model holds now: one pass over the training
+        split, without augmentation or gradients, in training mode with cumulative averages
+        (``torch.optim.swa_utils.update_bn``), each reader its equal share (FSDP's forward is a collective), then the
+        statistics averaged over the readers. False where the model has no batch norm (nothing done)."""
+        from torch.optim.swa_utils import update_bn  # a run without SWA never needs it
+
+        norms = [m for m in run.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms:
+            return False
+        c, split = run.config, run.data.train
+        even = eval_count(split, 0) // self.readers * self.readers  # every reader the same number of batches
+        inputs = (self.prep(x) for x, _ in eval_batches(split, c.data.eval_batch_size, run.device, self.readers,
+                                                        self.reader, c.data.num_workers, even))
+        with torch.no_grad(), dev.autocast(run.device, run.precision):
+            update_bn(inputs, run.model)
+        if self.readers > 1:
+            for m in norms:
+                for t in (m.running_mean, m.running_var):
+                    if t is not None:
+                        t.div_(self.readers)
+                        all_reduce_sum(t, self.group)
+        return True
 
 
 def _fmt(r: dict, *keys) -> str:
@@ -155,19 +193,19 @@ def finish(run, metrics, wall_start: float, evaluate_split: SplitEvaluator, fact
     last_val = run.metrics if run.validated_at is not None else None
     if last_val is not None:
         summary.update(val_accuracy=last_val["accuracy"], val_loss=last_val["loss"],
-                       **{f"val_{k}": last_val[k] for k in SCORES if k in last_val})
+                       **{f"val_{k}": last_val[k] for k in QUOTED if k in last_val})
     if data.test is not None:
         keep = 36 if run.is_main and cfg.train.plots and data.is_images else 0
         r = evaluate_split(run, data.test, keep)
         run.metrics = {k: v for k, v in r.items() if k != "errors"}
         summary.update(test_accuracy=r["accuracy"], test_loss=r["loss"], test_top5=r["top5"], test_images=r["count"],
-                       **{f"test_{k}": r[k] for k in SCORES if k in r})
+                       **{f"test_{k}": r[k] for k in QUOTED if k in r})
         limited = r["count"] < len(data.test)
         if limited:
             summary["eval_limit"] = cfg.data.eval_limit
         metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
-            "loss", "accuracy", "top5", *SCORES, "per_class_accuracy", "precision", "recall", "f1", "support",
-            "confusion") if k in r})
+            "loss", "accuracy", "top5", *QUOTED, "per_class_accuracy", "precision", "recall", "f1", "support",
+            "confusion", "reliability") if k in r})
         part = f" (the first {r['count']:,} of {len(data.test):,} images)" if limited else ""
         shown = {'acc': r['accuracy'], 'top5': r['top5'], 'f1_macro': r.get('f1_macro')}
         run.log.info(f"test {_fmt(r, 'loss')} {_fmt(shown, 'acc', 'top5', 'f1_macro')}".rstrip() + part)

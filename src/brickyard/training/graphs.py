@@ -141,7 +141,7 @@ class GraphedStep:
         x, y, n_global, offset = next(batches)
         data_wait = time.perf_counter() - wait
         x, y = trainer.prep.train(x, y, run.step, n_global, offset)
-        run.lr = trainer.plan.schedule(run.step) * run.lr_scale
+        run.lr = trainer.plan.schedule(run.step) * run.lr_scale if run.lr_override is None else run.lr_override
         set_lr(run.optimizer, run.lr)
         weight = len(y) * trainer.way.readers / n_global
         key = (tuple(x.shape), tuple(y.shape), x.dtype, y.dtype, n_global)

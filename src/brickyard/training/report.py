@@ -13,7 +13,8 @@ trackers read the same numbers.
 """
 from __future__ import annotations
 
-from brickyard.observe.metrics import SCORES, fit_hint
+from brickyard.observe.loggers import QUOTED
+from brickyard.observe.metrics import fit_hint
 
 INPUT_BOUND = 0.2  # a log window spending more than this fraction waiting for batches is reported as input-bound
 MIN_HINT_IMAGES = 500  # fewer recent training images than this say too little to hint at over- or under-fitting
@@ -72,7 +73,7 @@ class Report:
             mixed = run.config.data.mixup > 0 or run.config.data.cutmix > 0  # accuracy on mixed images says little
             hint = fit_hint(train_acc, r["accuracy"]) if count >= MIN_HINT_IMAGES and not mixed else None
         return dict(kind="val", step=run.step, epoch=round(run.step / run.steps_per_epoch, 4), loss=r["loss"],
-                    accuracy=r["accuracy"], top5=r["top5"], **{k: r[k] for k in SCORES if k in r},
+                    accuracy=r["accuracy"], top5=r["top5"], **{k: r[k] for k in QUOTED if k in r},
                     train_accuracy=train_acc, hint=hint, train_images=int(count))
 
     def epoch(self, run) -> dict:

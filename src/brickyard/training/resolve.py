@@ -36,9 +36,10 @@ class Plan:
     the batch plan, the step counts and the learning-rate schedule."""
     batches: BatchPlan                # which samples each rank reads at each step (any world size, any resume)
     steps_per_epoch: int
-    total_steps: int
+    total_steps: int                  # where the run stops
     peak_lr: float
     schedule: Schedule                # step -> learning rate
+    planned_steps: int = 0            # what the schedule spans (train.epochs); max_steps and stop_epoch stop earlier
 
 
 def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, resume) -> None:
@@ -102,7 +103,7 @@ def plan(cfg: Config, data, info, readers: int) -> Plan:
     if t.stop_epoch:
         total = min(total, math.ceil(t.stop_epoch * per_epoch))
     peak, schedule = _schedule(cfg, readers, planned, per_epoch)
-    return Plan(batches, per_epoch, total, peak, schedule)
+    return Plan(batches, per_epoch, total, peak, schedule, planned)
 
 
 LOG_POINTS = 50  # train.log_every: auto reads the loss back about this many times a run

@@ -85,8 +85,10 @@ class Control:
     trainer reads ``request`` after every step and sets ``agreed`` once the ranks agree), the loss and the
     update's note. The trainer makes it; ``Run`` holds it privately."""
 
-    def __init__(self, loss_sum: Callable, describe: Callable[[], str], stops_early: bool = True):
+    def __init__(self, loss_sum: Callable, describe: Callable[[], str], stops_early: bool = True,
+                 recompute_bn: Callable[[], bool] = lambda: False):
         self.loss_sum, self.describe, self.stops_early = loss_sum, describe, stops_early
+        self.recompute_bn = recompute_bn
         self.request: Stop | None = None  # this process's stop, until the ranks agree on one
         self.agreed: Stop | None = None   # the agreed ``Stop`` (its reason is ``Run.stopped``)
 
@@ -108,10 +110,12 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     forward: nn.Module | None = None  # the model as trained (DDP-wrapped, compiled): call this in a step
+    planned_steps: int = 0            # the steps the schedule spans (train.epochs); total_steps is where this run stops
     step: int = 0                     # optimiser steps taken
     epoch: int = 0                    # the epoch being trained (step // steps_per_epoch)
     lr: float = 0.0                   # the learning rate of the latest step
     lr_scale: float = 1.0             # multiplies the schedule's rate from the next step on (``ReduceLROnPlateau``)
+    lr_override: float | None = None  # the rate of the next steps instead of the schedule's (``SWA``'s); None: the schedule's
     train_loss: float | None = None   # the training loss of the latest log window
     train_accuracy: float | None = None  # its accuracy (class logits only)
     metrics: dict = field(default_factory=dict)   # the latest evaluation: loss, accuracy, top5, ...
@@ -146,6 +150,11 @@ class Run:
     def swaps_eval_weights(self) -> bool:
         return self._eval_weights is not None
 
+    def recompute_bn(self) -> bool:
+        """Recompute batch norm's running statistics for the weights the model holds now, with one pass over the
+        training data (``torch.optim.swa_utils.update_bn``; every rank calls it). False: the model has none."""
+        return self._control.recompute_bn()
+
     def update_note(self) -> str:
         """What the update strategy adds to a log line (a parameter server's wait, P-BFGS's steps); '' for an optimiser."""
         return self._control.describe()
@@ -160,8 +169,8 @@ class Run:
         return self._control.agreed is not None and self._control.agreed.kind == "signal"
 
 
-WRITABLE = ("lr_scale",)  # the fields a callback may set (``ReduceLROnPlateau``)
-_INSTEAD = {"lr": "set run.lr_scale, which multiplies the schedule's rate from the next step on",
+WRITABLE = ("lr_scale", "lr_override")  # the fields a callback may set (``ReduceLROnPlateau``, ``SWA``)
+_INSTEAD = {"lr": "set run.lr_scale, which multiplies the schedule's rate from the next step on, or run.lr_override",
             "stopped": "call run.stop(reason)", "forward": "wrap the model before fit", "model": "wrap the model before fit",
             "optimizer": "use schedule.name: none and a scheduler of your own on run.optimizer"}
 

@@ -236,7 +236,7 @@ def apply_update(trainer, loss_sum: torch.Tensor, batch) -> None:
     if run.config.schedule.name == "none":  # the user's own scheduler sets the rates
         run.lr = run.optimizer.param_groups[0]["lr"]
     else:
-        run.lr = trainer.plan.schedule(run.step) * run.lr_scale
+        run.lr = trainer.plan.schedule(run.step) * run.lr_scale if run.lr_override is None else run.lr_override
         set_lr(run.optimizer, run.lr)
     if max_norm:
         trainer.scaler.unscale_(run.optimizer)

@@ -40,7 +40,7 @@ from brickyard.config import Config
 from brickyard.data import DataBundle, augment
 from brickyard.data.loaders import make_train_loader
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, CheckpointError, DataError, reason
+from brickyard.errors import BrickyardError, CheckpointError, ConfigError, DataError, reason
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.observe.runlog import read_metrics
@@ -93,6 +93,9 @@ class Trainer:
 
     def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
+        if cfg.train.calibrate and data.val is None:
+            raise ConfigError("train.calibrate fits its temperature on the validation split, and this run has none "
+                              "(data.train_on_all, or data of your own without val_data); keep one or turn it off.")
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
         self.log_every = int(cfg.train.log_every)  # resolved (auto: training.resolve.log_every)
         whole, self.model, self.channels_last = place(model, job, data, log)
@@ -105,10 +108,12 @@ class Trainer:
         self.guard = NanGuard(cfg.train.nan_guard, way.name if way.sharded else None, self.losses.train)
         self.meter = Meter(Totals(host.device, job.group))
         self.report = Report(self.meter, None if data.in_memory else "try more data.num_workers")
-        self.control = Control(self.losses.train, lambda: self.update.describe(), way.stops_early)
+        self.control = Control(self.losses.train, lambda: self.update.describe(), way.stops_early,
+                               lambda: self.evaluate.recompute_bn(self.run))
         self.run = Run(cfg, self.model, build_optimizer(cfg.optim, self.param_groups), data, info.rank, info.world_size,
                        host.device, host.precision, job.run_dir, log, self.plan.steps_per_epoch, self.plan.total_steps,
-                       meter=self.meter, _control=self.control)
+                       planned_steps=self.plan.planned_steps or self.plan.total_steps, meter=self.meter,
+                       _control=self.control)
         self.update = way.update(self.run, self.param_groups, self.losses.train, self.scaler, job.group, job.messages)
         self.loader = make_train_loader(data.train, cfg.data, host.device, way.readers, way.reader_index, cfg.train.seed,
                                         cfg.train.grad_accum)
@@ -162,10 +167,15 @@ class Trainer:
             "best_step": self.checkpoints.best_step,
             "config": run.config.to_dict(),
             "boost": self.update.state_dict(), "callbacks": self.callbacks.state_dict(),
-            "meta": {**self.meta, "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
+            "meta": {**self.meta, **self._calibration(), "classes": list(data.classes), "mean": list(data.mean), "std": list(data.std),
                      "image_size": list(data.image_size), "in_channels": data.in_channels,
                      "num_classes": data.num_classes, "data": data.name},
         }
+
+    def _calibration(self) -> dict:
+        """The temperature a checkpoint keeps for eval and predict (``train.calibrate``), fitted at the latest
+        validation: the one whose weights ``best.pt`` holds when it writes one."""
+        return {"temperature": self.evaluate.temperature} if self.config.train.calibrate else {}
 
     def load_state_dict(self, path: Path, state: dict) -> None:
         """Weights, optimiser, scaler, RNG, callbacks' state, the best metric and the step of ``state`` (read
@@ -190,6 +200,8 @@ class Trainer:
         except Exception as err:  # noqa: BLE001  any state is a stranger's: a tensor where a mapping was saved
             raise CheckpointError(f"checkpoint {path}: a callback's saved state does not fit it ({reason(err)}).") from err
         ckpt.set_rng_state(state["rng"], run.device)
+        if self.config.train.calibrate:
+            self.evaluate.temperature = ckpt.temperature(state, path)
         run.step = int(state["step"])
         self.checkpoints.best_metric = self._best_after_resume(state)
         step = state.get("best_step")
@@ -297,7 +309,7 @@ class Trainer:
         run = self.run
         self.callbacks.on_validation_start(run)
         try:
-            r = self.evaluate(run, run.data.val)
+            r = self.evaluate(run, run.data.val, fit=self.config.train.calibrate)
         except DataError as err:  # a bad validation file: keep the epoch just trained before saying so
             kept = None if self.way.sharded else self.checkpoints.save(run)  # FSDP: saving needs every rank
             if kept is None:

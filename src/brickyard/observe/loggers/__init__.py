@@ -44,6 +44,10 @@ from brickyard.errors import ConfigError, reason
 # the class scores a validation's and a test's rows carry besides loss and accuracy (``observe.metrics.class_scores``;
 # higher is better): what TensorBoard and the trackers plot of them
 SCORES = ("precision_macro", "recall_macro", "f1_macro", "f1_weighted", "balanced_accuracy")
+# and how far their probabilities can be trusted (``observe.calibration``; lower ECE is better): the expected
+# calibration error, and with temperature scaling (``train.calibrate``) the temperature and the raw logits' ECE
+CALIBRATION = ("ece", "ece_uncalibrated", "temperature")
+QUOTED = SCORES + CALIBRATION  # every number a validation or test row adds to loss, accuracy and top-5
 
 __all__ = ["Logger", "RunInfo", "names", "choices", "check", "create", "GROUP"]
 

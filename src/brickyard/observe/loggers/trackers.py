@@ -32,15 +32,15 @@ from pathlib import Path
 
 from brickyard.errors import BrickyardError, ConfigError, reason
 from brickyard.files import write_json
-from brickyard.observe.loggers import SCORES, Logger, RunInfo
+from brickyard.observe.loggers import QUOTED, Logger, RunInfo
 
 TRACKERS = ("mlflow", "wandb")
 TIMEOUT_S = 30.0  # a tracker call that takes longer (a server that accepts and never answers) drops the tracker
 # starting (importing the client, MLflow's first migration of a SQLite store: 10-25 s on 2 busy cores, W&B's init,
 # which allows itself 90 s) and the uploads at the end get longer
 START_TIMEOUT_S = 120.0
-_NUMBERS = {"train": ("loss", "accuracy", "lr", "images_per_second"), "val": ("loss", "accuracy", "top5", *SCORES),
-            "test": ("loss", "accuracy", "top5", *SCORES)}
+_NUMBERS = {"train": ("loss", "accuracy", "lr", "images_per_second"), "val": ("loss", "accuracy", "top5", *QUOTED),
+            "test": ("loss", "accuracy", "top5", *QUOTED)}
 _ARTIFACTS = ("config.yaml", "summary.json", "env.json", "metrics.jsonl", "metrics.csv")
 _IDS = threading.Lock()  # trackers.json: each tracker's thread adds its own id
 
