@@ -301,5 +301,6 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: st
     prep = DevicePrep(data.mean, data.std, channels_last=cl, device=d, float_dtype=float_dtype(model))
     r = evaluate(model, part, prep, d, precision, cfg.data.eval_batch_size, data.num_classes,
                  tta=tta, shift=cfg.data.shift or 1, limit=limit,
-                 temperature=ckpt.temperature(state, path) if calibrated else 1.0)
+                 temperature=ckpt.temperature(state, path) if calibrated else 1.0,
+                 multilabel=cfg.data.task == "multilabel", threshold=ckpt.threshold(state, path))
     return {"checkpoint": str(path), "split": split, "step": state["step"], "tta": tta, **r}

@@ -40,9 +40,10 @@ class Checkpointing(Callback):
 
 def score(val: dict, monitor: str) -> float:
     """A validation's score under ``checkpoint.monitor``, higher better: an accuracy or score as it is, a loss negated
-    (``auto``: the accuracy where there is one, else the loss)."""
-    if monitor == "auto":
-        return val["accuracy"] if val.get("accuracy") is not None else -val["loss"]
+    (``auto``: the accuracy where there is one, the mean average precision of several labels an image, else the loss)."""
+    if monitor == "auto":  # several labels an image have no accuracy: their mean average precision
+        best = val.get("accuracy") if val.get("accuracy") is not None else val.get("map")
+        return best if best is not None else -val["loss"]
     value = monitored(val, monitor, f"checkpoint.monitor: {monitor}", "; pick one of them or auto")
     return -value if monitor == "val_loss" else value
 

@@ -227,6 +227,8 @@ def check_resumable(saved: dict, cfg: Config, where: str) -> None:
     for key in old:
         if key == "optim.lr" and new[key] == "find" and isinstance(old[key], (int, float)):
             continue  # the rate the range test found for this run is the one it resumes with
+        if key == "data.task" and "auto" in (new[key], old[key]):
+            continue  # auto is what the same data resolves it to (a task the data does not fit is one sentence later)
         if key in new and new[key] != old[key] and not _may_change(key):
             raise ConfigError(f"--resume: {key} is {old[key]!r} in {where}, not {new[key]!r}; a resumed run keeps "
                               f"its config (only how long it trains, what it logs and where it runs may change).")

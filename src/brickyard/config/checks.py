@@ -15,7 +15,7 @@ _SIZED = ("resize", "center_crop", "random_resized_crop", "random_crop")
 TTA = ("none", "flip", "flip-shift", "five-crop", "multi-scale")
 # the validation metrics a key or callback can watch: a loss (lower is better) and scores (higher is better)
 VAL_METRICS = ("val_loss", "val_accuracy", "val_top5", "val_precision_macro", "val_recall_macro", "val_f1_macro",
-               "val_f1_weighted", "val_balanced_accuracy")
+               "val_f1_weighted", "val_balanced_accuracy", "val_map", "val_map_micro", "val_f1_micro")
 
 
 

@@ -33,7 +33,8 @@ class SyntheticConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "imagefolder"))
+    name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "imagefolder", "mnist-mosaic", "fashion-mnist-mosaic"), doc="a *-mosaic set: 56 x 56 images of 1-4 digits or garments, tagged with the classes present (several labels an image; docs/training.md)")
+    task: str = _opt("auto", choices=("auto", "single", "multilabel"), doc="one label an image (cross-entropy) or several (multilabel: binary cross-entropy, mean average precision, a threshold chosen on validation); auto: multilabel where the labels are multi-hot rows, said in the log")
     root: str | None = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
     global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
@@ -265,7 +266,7 @@ class CheckpointConfig(Section):
     every_epoch: bool = _opt(True)
     keep_last: int = _opt(2, min=1)
     keep_best: bool = _opt(True)
-    monitor: str = _opt("auto", choices=("auto", *checks.VAL_METRICS), doc="the validation metric that picks best.pt (lower loss, higher accuracy and scores such as val_f1_macro); auto: val_accuracy where the run scores accuracy, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
+    monitor: str = _opt("auto", choices=("auto", *checks.VAL_METRICS), doc="the validation metric that picks best.pt (lower loss, higher accuracy and scores such as val_f1_macro); auto: val_accuracy where the run scores accuracy, val_map where it tags several labels an image, else val_loss (Keras's ModelCheckpoint watches val_loss by default)")
 
 
 @dataclass(frozen=True)

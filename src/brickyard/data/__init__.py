@@ -6,6 +6,8 @@ loader. Normalisation and augmentation happen on the device, after a batch is lo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -38,6 +40,10 @@ def build_data(cfg) -> DataBundle:
 
 
 def _build(cfg) -> DataBundle:
+    if cfg.name.endswith("-mosaic"):  # several labels an image, made from the single-label set (data/mosaic.py)
+        from brickyard.data.mosaic import mosaic_bundle  # only runs of these data sets need it
+        return mosaic_bundle(cfg.name, _build(dataclasses.replace(cfg, name=cfg.name.removesuffix("-mosaic"),
+                                                                  train_on_all=False)))
     if cfg.name == "synthetic":
         return synthetic_bundle(cfg.synthetic, seed=1234)
     if cfg.name == "imagefolder":
@@ -79,6 +85,9 @@ def _subset(bundle: DataBundle, cfg) -> DataBundle:
     """Apply ``data.classes`` (relabelled 0..k-1) and ``data.train_per_class`` to tensor splits."""
     if not cfg.classes and not cfg.train_per_class:
         return bundle
+    if bundle.multilabel:
+        raise DataError("data.classes and data.train_per_class choose classes of one label an image; this data set "
+                        "tags several an image.")
     if not bundle.in_memory:
         raise DataError("data.classes and data.train_per_class work on data sets held as tensors (mnist, fashion-mnist, "
                         "synthetic, fit's (inputs, labels)).")
@@ -155,8 +164,9 @@ def from_user(train, val=None, test=None, num_classes: int | None = None, model=
     in_channels, size = (shape[0], shape[1:]) if len(shape) == 3 else (0, ())
     if classes and len(classes) != num_classes:
         classes = []  # names for other classes than the model's: say none rather than wrong ones
+    held = splits[0].labels
     bundle = DataBundle("user", *splits, num_classes, in_channels, size, classes=classes, sample_shape=shape,
-                        notes=reading.notes)
+                        notes=reading.notes, multilabel=held is not None and arrays.multi_hot(held))
     return _subset(bundle, transforms) if transforms is not None and classify else bundle
 
 

@@ -59,6 +59,7 @@ class DataBundle:
     sample_shape: tuple = ()  # one input's shape; C x H x W for images
     train_size: tuple | None = None  # training images' H x W where it differs from image_size (an image folder's transforms)
     notes: list[str] = field(default_factory=list)  # what was made of the data, for the run's log
+    multilabel: bool = False  # labels are multi-hot rows: several tags an image (data.task: auto reads it)
 
     @property
     def in_memory(self) -> bool:

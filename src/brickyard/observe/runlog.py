@@ -44,10 +44,11 @@ def env_record(device: torch.device, seed: int, world_size: int, extra: dict | N
 
 def print_result(summary: dict) -> None:
     """The two lines a finished `brickyard train` prints."""
-    acc = summary.get("test_accuracy")
+    several = summary.get("test_map") is not None  # several labels an image: their mean average precision
+    acc = summary.get("test_map") if several else summary.get("test_accuracy")
     shown = f"{acc:.4f}" if acc is not None else "n/a" if summary.get("test_loss") is not None else "n/a (no test split)"
     if acc is not None and summary.get("eval_limit"):
         shown += f" on the first {summary['test_images']:,} test images (data.eval_limit)"
     print(f"run dir: {summary['run_dir']}")
-    print(f"test accuracy: {shown} ({summary['steps']} steps, {summary['train_seconds']:.1f}s training, "
+    print(f"test {'mAP' if several else 'accuracy'}: {shown} ({summary['steps']} steps, {summary['train_seconds']:.1f}s training, "
           f"{summary['images_per_second']:,.0f} img/s on {summary['device']})")

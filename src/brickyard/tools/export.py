@@ -63,6 +63,8 @@ def export(source, fmt: str, out: Path | None = None, notes: list | None = None)
     meta.update(registry=True, format=fmt, step=state["step"], options=dict(state["meta"].get("options") or {}))
     if "temperature" in state["meta"]:  # train.calibrate's: predict divides the logits by it (a program's stay raw)
         meta["temperature"] = ckpt.temperature(state, path)
+    if state["meta"].get("task") == "multilabel":  # several labels an image: predict's sigmoid and threshold
+        meta.update(task="multilabel", threshold=ckpt.threshold(state, path))
     out = Path(out) if out else path.with_suffix(FORMATS[fmt])
     if not out.name.endswith(FORMATS[fmt]) or out.name == FORMATS[fmt]:
         raise BrickyardError(f"--out {out}: a {fmt} file's name ends in {FORMATS[fmt]} (that is how predict knows it).")

@@ -172,6 +172,16 @@ def _source(model_or_checkpoint, outputs, trust_code: bool) -> tuple[torch.nn.Mo
     return model, state.get("meta", {}), cfg.data.shift or 1
 
 
+def _scored(logits: torch.Tensor, meta: dict, source, calibrated: bool) -> dict:
+    """One label an image: the class and its softmax (over the logits divided by the kept temperature when
+    ``calibrated``); several: each tag's sigmoid and the tags at or above the kept threshold (a multi-hot row)."""
+    if meta.get("task") == "multilabel":
+        p = logits.sigmoid()
+        return {"predicted": (p >= ckpt.threshold({"meta": meta}, source)).long(), "probabilities": p, "logits": logits}
+    t = ckpt.temperature({"meta": meta}, source) if calibrated else 1.0
+    return {"predicted": logits.argmax(1), "probabilities": (logits / t).softmax(1), "logits": logits}
+
+
 def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, trust_code: bool = False,
             tta: str = "none", calibrated: bool = True) -> dict[str, torch.Tensor]:
     """``{"predicted", "probabilities", "logits", <layer>: tensor, ...}`` for a batch of inputs.
@@ -218,8 +228,7 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
         if own is not None and own != d:
             model.to(own)
     logits = result["logits"].float()
-    t = ckpt.temperature({"meta": meta}, model_or_checkpoint) if calibrated else 1.0
-    out = {"predicted": logits.argmax(1).cpu(), "probabilities": (logits / t).softmax(1).cpu(), "logits": logits.cpu()}
+    out = _scored(logits, meta, model_or_checkpoint, calibrated)
     out.update({k: v.cpu() for k, v in result.items() if k != "logits"})
     out["classes"] = meta.get("classes", [])
     return out
@@ -232,10 +241,18 @@ def write(result: dict, names: list[str], outputs, fmt: str, out: Path | None) -
             raise BrickyardError("--format npz needs --out FILE.npz.")
         write_atomic(out, lambda f: np.savez(f, inputs=np.array(names), **{k: v.numpy() for k, v in result.items()}))
         return None
+    def name(i: int) -> str:
+        return classes[i] if i < len(classes) else str(i)
+    predicted = result["predicted"]
+    picked: list = predicted.tolist()
+    named: list = [name(i) for i in picked] if predicted.dim() == 1 else []
+    if predicted.dim() == 2:  # several labels an image: each image's tags at or above the threshold
+        picked = [row.nonzero().flatten().tolist() for row in predicted]
+        named = [[name(i) for i in tags] for tags in picked]
     doc = {
         "inputs": names,
-        "predicted": result["predicted"].tolist(),
-        "predicted_names": [classes[i] if i < len(classes) else str(i) for i in result["predicted"].tolist()],
+        "predicted": picked,
+        "predicted_names": named,
         "probabilities": [[round(p, 6) for p in row] for row in result["probabilities"].tolist()],
         "outputs": {k: {"shape": list(result[k].shape), "data": result[k].tolist()} for k in outputs},
     }

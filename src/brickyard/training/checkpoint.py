@@ -224,3 +224,12 @@ def temperature(state: dict, path) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
         raise CheckpointError(f"checkpoint {path}: its temperature {str(t)[:40]} is not a positive number.")
     return float(t)
+
+
+def threshold(state: dict, path) -> float:
+    """The threshold several labels an image are scored at, kept in a checkpoint's ``meta`` (0.5: none kept), checked."""
+    meta = state.get("meta")
+    t = meta.get("threshold", 0.5) if isinstance(meta, dict) else 0.5
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
+        raise CheckpointError(f"checkpoint {path}: its threshold {str(t)[:40]} is not a number between 0 and 1.")
+    return float(t)

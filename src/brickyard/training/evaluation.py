@@ -17,6 +17,7 @@ from brickyard.files import write_json, write_torch
 from brickyard.observe.calibration import fit_temperature
 from brickyard.observe.loggers import QUOTED
 from brickyard.observe.metrics import EvalAccumulator, class_targets
+from brickyard.observe.multilabel import MultiLabelAccumulator
 from brickyard.observe.plots import plot_runs
 from brickyard.training import device as dev
 
@@ -24,7 +25,8 @@ from brickyard.training import device as dev
 def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precision: str, batch_size: int,
              num_classes: int, world: int = 1, rank: int = 0, group=None, keep_errors: int = 0,
              num_workers: int = 0, loss_sum=None, lockstep: bool = False, tta: str = "none", shift: int = 1,
-             limit: int = 0, temperature: float = 1.0, keep: list | None = None) -> dict:
+             limit: int = 0, temperature: float = 1.0, keep: list | None = None, multilabel: bool = False,
+             threshold: float | None = 0.5) -> dict:
     """Loss, top-1/top-5 accuracy, per-class accuracy and confusion over every sample of ``split``
     exactly once, summed across ranks. ``keep_errors``: also return up to that many of this
     rank's misclassified raw images with true and predicted labels (host syncs; test time only).
@@ -34,13 +36,15 @@ def evaluate(model: nn.Module, split: Split, prep, device: torch.device, precisi
     its mirror image's class probabilities; ``flip-shift`` adds both moved by ``shift`` pixels up, down,
     left and right (10 views, zeros filled in as the training shifts do). ``limit``: the first that many
     samples of ``split`` only (``data.eval_limit``; 0: all). ``temperature`` and ``keep``: temperature scaling's
-    divisor of the logits, and a list this rank's raw logits are kept in (``EvalAccumulator``)."""
+    divisor of the logits, and a list this rank's raw logits are kept in (``EvalAccumulator``). ``multilabel``: several
+    labels an image, scored at ``threshold`` (None: the best on this split; ``observe.multilabel``)."""
     def forward(x):
         return model(prep(x)) if tta == "none" else tta_logits(model, prep(x), tta, shift)
 
     was_training = model.training
     model.eval()
-    acc = EvalAccumulator(num_classes, device, loss_sum, temperature, keep)
+    acc = (MultiLabelAccumulator(num_classes, device, loss_sum, threshold) if multilabel
+           else EvalAccumulator(num_classes, device, loss_sum, temperature, keep))
     errors, kept, done, x = [], 0, 0, None
     with torch.no_grad(), dev.autocast(device, precision):
         for x, y in eval_batches(split, batch_size, device, world, rank, num_workers, limit):
@@ -129,23 +133,27 @@ def _centred(v: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class SplitEvaluator:
     """``evaluate`` with a run's model (its evaluation weights: EMA's average when on), data and ranks:
-    ``evaluator(run, split, keep_errors)``. It owns the run's temperature (``train.calibrate``): fitted on the
-    raw logits of each validation (``fit=True``), it divides the logits of every other evaluation (the test)."""
+    ``evaluator(run, split, keep_errors)``. It owns what a validation chooses for the evaluations after it: the
+    temperature (``train.calibrate``), fitted on the raw logits of each validation, which divides the logits of the
+    test; several labels an image's threshold, the best on each validation, at which the test is scored."""
 
     def __init__(self, prep, loss_sum, readers: int, reader: int, group, lockstep: bool):
         self.prep, self.loss_sum, self.readers, self.reader = prep, loss_sum, readers, reader
         self.group, self.lockstep = group, lockstep
-        self.temperature = 1.0
+        self.temperature, self.threshold = 1.0, 0.5
 
-    def __call__(self, run, split: Split, keep_errors: int = 0, fit: bool = False) -> dict:
+    def __call__(self, run, split: Split, keep_errors: int = 0, validation: bool = False) -> dict:
         c = run.config
-        kept: list = []
+        fit, multilabel, kept = validation and c.train.calibrate, c.data.task == "multilabel", []
         with run.eval_weights():
             r = evaluate(run.forward, split, self.prep, run.device, run.precision, c.data.eval_batch_size,
                          run.data.num_classes, self.readers, self.reader, self.group, keep_errors,
                          c.data.num_workers, self.loss_sum, lockstep=self.lockstep, tta=c.data.tta,
                          shift=c.data.shift, limit=c.data.eval_limit, temperature=1.0 if fit else self.temperature,
-                         keep=kept if fit else None)
+                         keep=kept if fit else None, multilabel=multilabel,
+                         threshold=None if validation else self.threshold)
+        if multilabel and validation:
+            self.threshold = r["threshold"]
         if fit:  # every rank (a collective), also one whose share was empty
             t = fit_temperature(kept, run.device, self.group)
             if r["accuracy"] is not None:
@@ -204,11 +212,11 @@ def finish(run, metrics, wall_start: float, evaluate_split: SplitEvaluator, fact
         if limited:
             summary["eval_limit"] = cfg.data.eval_limit
         metrics.write(kind="test", step=run.step, **{k: r.get(k) for k in (
-            "loss", "accuracy", "top5", *QUOTED, "per_class_accuracy", "precision", "recall", "f1", "support",
+            "loss", "accuracy", "top5", *QUOTED, "per_class_accuracy", "ap", "precision", "recall", "f1", "support",
             "confusion", "reliability") if k in r})
         part = f" (the first {r['count']:,} of {len(data.test):,} images)" if limited else ""
-        shown = {'acc': r['accuracy'], 'top5': r['top5'], 'f1_macro': r.get('f1_macro')}
-        run.log.info(f"test {_fmt(r, 'loss')} {_fmt(shown, 'acc', 'top5', 'f1_macro')}".rstrip() + part)
+        shown = {'acc': r['accuracy'], 'top5': r['top5'], 'mAP': r.get('map'), 'f1_macro': r.get('f1_macro')}
+        run.log.info(f"test {_fmt(r, 'loss')} {_fmt(shown, 'acc', 'top5', 'mAP', 'f1_macro')}".rstrip() + part)
         if run.is_main and "errors" in r:
             wrong_images, true, pred = r["errors"]
             errors = {"images": wrong_images, "true": true, "pred": pred, "classes": list(data.classes),

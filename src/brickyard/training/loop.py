@@ -63,6 +63,11 @@ def train(cfg: Config, model: nn.Module, data: DataBundle, run_dir: Path | None 
     ``observe.loggers.Logger`` instances that get every row besides those ``train.loggers`` names (rank 0)."""
     started, rss = time.perf_counter(), dev.rss_mib()
     info = info or dist.from_env()
+    if cfg.data.task == "auto":  # one label an image, or several (multi-hot rows): decided once, from the data
+        cfg = cfg.replace(**{"data.task": "multilabel" if data.multilabel else "single"})
+        if data.multilabel:
+            data.notes.append("several labels an image (multi-hot rows): data.task multilabel, binary cross-entropy, "
+                              "mean average precision and a threshold chosen on validation")
     user = UserParts(tuple(callbacks), loss_fn, train_step, model_meta or {}, tuple(loggers))
     way = ways.choose(cfg, info)
     check_before_writing(cfg, model, data, user, info, way, resume)

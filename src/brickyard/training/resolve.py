@@ -60,6 +60,40 @@ def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, r
         raise ConfigError(f"train_step: the {way.name} way of training runs its own step (its schedule calls the model "
                           f"and the loss), and a train_step of your own is not built for it yet; pass loss_fn instead.")
     _check_image_features(cfg, data)
+    check_task(cfg, data)
+
+
+SINGLE_ONLY = ("val_accuracy", "val_top5", "val_precision_macro", "val_recall_macro", "val_f1_weighted",
+               "val_balanced_accuracy")  # what a validation of several labels an image does not score
+MULTI_ONLY = ("val_map", "val_map_micro", "val_f1_micro")
+
+
+def check_task(cfg, data) -> None:
+    """What one label an image, or several (``data.task``, resolved), does not combine with: one sentence each."""
+    d, multi = cfg.data, cfg.data.task == "multilabel"
+    if multi and not data.multilabel and data.in_memory and data.train.labels is not None and data.train.labels.dim() == 1:
+        raise ConfigError("data.task: multilabel takes labels as multi-hot rows (N x tags, 1 where a tag applies); "
+                          "this data's labels are one class a sample.")
+    if not multi and data.multilabel:
+        raise ConfigError("data.task: single takes one class a sample, and this data's labels are multi-hot rows "
+                          "(several tags a sample); use data.task: multilabel or auto.")
+    monitors = {"checkpoint.monitor": cfg.checkpoint.monitor,
+                "schedule.monitor": cfg.schedule.monitor if cfg.schedule.name == "plateau" else "",
+                "train.early_stopping_monitor": cfg.train.early_stopping_monitor if cfg.train.early_stopping else ""}
+    for key, metric in monitors.items():
+        if metric in (SINGLE_ONLY if multi else MULTI_ONLY):
+            which = "several labels an image" if multi else "one label an image"
+            raise ConfigError(f"{key}: {metric} is not scored for {which}; watch "
+                              f"{'val_map, val_f1_macro or val_loss' if multi else 'val_accuracy, val_f1_macro or val_loss'}.")
+    if not multi:
+        return
+    for on, key in ((cfg.optim.label_smoothing > 0, f"optim.label_smoothing: {cfg.optim.label_smoothing} (it spreads one "
+                                                    f"label's share over the others; set it to 0)"),
+                    (d.balance, "data.balance (it draws images by their one class; weigh tags with optim.class_weights)"),
+                    (cfg.train.calibrate, "train.calibrate (temperature scaling calibrates one softmax over the classes)"),
+                    (d.tta != "none", f"data.tta: {d.tta} (its views average class probabilities of one label)")):
+        if on:
+            raise ConfigError(f"data.task: multilabel does not combine with {key}.")
 
 
 def _check_image_features(cfg, data) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from brickyard.errors import BrickyardError, ConfigError, DataError, reason, use
 from brickyard.models import droppath
 from brickyard.observe.inspection import first_nonfinite
 from brickyard.observe.metrics import class_targets, cross_entropy_targets, is_classification
+from brickyard.observe.multilabel import bce_sum
 from brickyard.optim import l1_penalty, set_lr
 from brickyard.training import device as dev
 from brickyard.training.run import Run, StepResult
@@ -89,10 +91,14 @@ class Losses:
     """The run's two loss sums: ``train`` (label smoothing and class weights) and ``eval`` (neither, so
     validation and test read as `brickyard eval` reads a checkpoint; as timm does: train.py at 004fb5f,
     main(), the "setup loss function" block: LabelSmoothingCrossEntropy to train when --smoothing,
-    validate_loss_fn = nn.CrossEntropyLoss())."""
+    validate_loss_fn = nn.CrossEntropyLoss()). Several labels an image (``data.task: multilabel``): binary
+    cross-entropy (``observe.multilabel.bce_sum``) for both."""
 
-    def __init__(self, loss_fn, optim, device: torch.device):
+    def __init__(self, loss_fn, optim, device: torch.device, multilabel: bool = False):
         weights = torch.tensor(optim.class_weights, dtype=torch.float32, device=device) if optim.class_weights else None
+        if multilabel and loss_fn is None:  # binary cross-entropy, class weights weigh each tag's positives
+            self.train, self.eval = partial(bce_sum, pos_weight=weights), bce_sum
+            return
         self.train = make_loss_sum(loss_fn, optim.label_smoothing, weights)
         self.eval = make_loss_sum(loss_fn)
 
@@ -123,10 +129,10 @@ class Totals:
     """Training loss and correct predictions summed on the device since the process started; the
     sample count is a host integer. ``read()`` is the sync point: one all-reduce of a copy."""
 
-    def __init__(self, device: torch.device, group=None):
+    def __init__(self, device: torch.device, group=None, classify: bool | None = None):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
         self.correct = torch.zeros((), device=device, dtype=torch.float64)
-        self.count, self.group, self.classify = 0, group, None
+        self.count, self.group, self.classify = 0, group, classify  # None: decided by the first batch
 
     def add(self, loss_sum: torch.Tensor, out: torch.Tensor | None, y: torch.Tensor) -> None:
         self.add_on_device(loss_sum, out, y)

@@ -101,12 +101,12 @@ class Trainer:
         whole, self.model, self.channels_last = place(model, job, data, log)
         self.param_groups = way.held_groups(param_groups(whole, cfg.optim, find_head(whole) if cfg.finetune.head_lr_mult
                                                          != 1.0 else None, cfg.finetune.head_lr_mult), self.model)
-        self.losses = Losses(user.loss_fn, cfg.optim, host.device)
+        self.losses = Losses(user.loss_fn, cfg.optim, host.device, cfg.data.task == "multilabel")
         self.scaler = torch.amp.GradScaler("cuda", enabled=host.precision == "fp16")
         self.step_fn = user.train_step or default_step
         self.check_each_step = cfg.train.nan_guard and host.device.type == "cpu"  # CPUs: reading the loss is no sync
         self.guard = NanGuard(cfg.train.nan_guard, way.name if way.sharded else None, self.losses.train)
-        self.meter = Meter(Totals(host.device, job.group))
+        self.meter = Meter(Totals(host.device, job.group, False if cfg.data.task == "multilabel" else None))
         self.report = Report(self.meter, None if data.in_memory else "try more data.num_workers")
         self.control = Control(self.losses.train, lambda: self.update.describe(), way.stops_early,
                                lambda: self.evaluate.recompute_bn(self.run))
@@ -173,9 +173,11 @@ class Trainer:
         }
 
     def _calibration(self) -> dict:
-        """The temperature a checkpoint keeps for eval and predict (``train.calibrate``), fitted at the latest
-        validation: the one whose weights ``best.pt`` holds when it writes one."""
-        return {"temperature": self.evaluate.temperature} if self.config.train.calibrate else {}
+        """What a checkpoint keeps for eval and predict, chosen at the latest validation (the one whose weights
+        ``best.pt`` holds when it writes one): the temperature (``train.calibrate``), several labels' threshold."""
+        c = self.config
+        return {**({"temperature": self.evaluate.temperature} if c.train.calibrate else {}),
+                **({"task": "multilabel", "threshold": self.evaluate.threshold} if c.data.task == "multilabel" else {})}
 
     def load_state_dict(self, path: Path, state: dict) -> None:
         """Weights, optimiser, scaler, RNG, callbacks' state, the best metric and the step of ``state`` (read
@@ -202,6 +204,8 @@ class Trainer:
         ckpt.set_rng_state(state["rng"], run.device)
         if self.config.train.calibrate:
             self.evaluate.temperature = ckpt.temperature(state, path)
+        if self.config.data.task == "multilabel":
+            self.evaluate.threshold = ckpt.threshold(state, path)
         run.step = int(state["step"])
         self.checkpoints.best_metric = self._best_after_resume(state)
         step = state.get("best_step")
@@ -309,7 +313,7 @@ class Trainer:
         run = self.run
         self.callbacks.on_validation_start(run)
         try:
-            r = self.evaluate(run, run.data.val, fit=self.config.train.calibrate)
+            r = self.evaluate(run, run.data.val, validation=True)
         except DataError as err:  # a bad validation file: keep the epoch just trained before saying so
             kept = None if self.way.sharded else self.checkpoints.save(run)  # FSDP: saving needs every rank
             if kept is None:

@@ -118,18 +118,31 @@ def one_hot(rows: torch.Tensor) -> bool:
     return bool(((rows == 0) | (rows == 1)).all() and (rows.sum(1) == 1).all())
 
 
+def multi_hot(rows: torch.Tensor) -> bool:
+    """N x C ``rows`` (C >= 2) of 0s and 1s, some row not one-hot: several labels a sample (``data.task: multilabel``)."""
+    if rows.dim() != 2 or rows.shape[1] < 2 or not len(rows) or rows.is_complex():
+        return False
+    return bool(((rows == 0) | (rows == 1)).all()) and bool((rows.sum(1) != 1).any())
+
+
 def one_hot_labels(splits, names, notes: list[str], own_loss: bool = False) -> int:
     """Labels held as N x C one-hot rows (one 1 a row, the rest 0: Keras's ``to_categorical`` gives floats, pandas'
     ``get_dummies`` booleans) read as the class indices they encode, so label smoothing applies and the data's
     classes are counted. Float rows of other probabilities (soft targets, smoothed labels) are left as they are,
     for the loss, and scored by their largest share (``metrics.class_targets``, as Keras's ``categorical_accuracy``);
-    integer rows that are not one-hot (multi-hot) are one sentence, unless the user's own loss (``own_loss``) takes
-    them, as a multi-label loss does. Returns C, or 0 when no split's
-    labels were one-hot; splits of different widths are one sentence."""
-    widths = {}
+    multi-hot rows (0s and 1s, some row with several 1s or none) are several labels a sample: kept as float rows, for
+    binary cross-entropy (``data.task`` auto reads them as multilabel); other integer rows are one sentence, unless
+    the user's own loss (``own_loss``) takes them. Returns C, or 0 when no split's labels were one-hot or multi-hot;
+    splits of different widths are one sentence."""
+    widths, several = {}, False
     for split, name in zip(splits, names):
         labels = None if split is None else split.labels
         if labels is None or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
+            continue
+        several = several or multi_hot(labels)
+        if several and (multi_hot(labels) or one_hot(labels)):  # the training split's decides: a later one of single tags too
+            widths[name], split.labels = labels.shape[1], labels.float()
+            notes.append(f"{name}: multi-hot labels ({len(labels)} x {labels.shape[1]}): several labels a sample")
             continue
         if not one_hot(labels):
             if not labels.is_floating_point() and not own_loss:

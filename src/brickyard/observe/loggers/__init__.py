@@ -47,7 +47,9 @@ SCORES = ("precision_macro", "recall_macro", "f1_macro", "f1_weighted", "balance
 # and how far their probabilities can be trusted (``observe.calibration``; lower ECE is better): the expected
 # calibration error, and with temperature scaling (``train.calibrate``) the temperature and the raw logits' ECE
 CALIBRATION = ("ece", "ece_uncalibrated", "temperature")
-QUOTED = SCORES + CALIBRATION  # every number a validation or test row adds to loss, accuracy and top-5
+# several labels an image (``observe.multilabel``): mean average precision, micro scores at the chosen threshold
+MULTILABEL = ("map", "map_micro", "f1_micro", "precision_micro", "recall_micro", "threshold")
+QUOTED = SCORES + CALIBRATION + MULTILABEL  # every number a validation or test row adds to loss, accuracy and top-5
 
 __all__ = ["Logger", "RunInfo", "names", "choices", "check", "create", "GROUP"]
 

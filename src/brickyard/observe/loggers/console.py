@@ -74,6 +74,8 @@ class Console(Logger):
 
     def _val(self, row: dict) -> None:
         head = f"epoch {row['epoch']:g} step {row['step']} val loss {row['loss']:.4f}"
+        if row.get("map") is not None:  # several labels an image
+            head += f" mAP {row['map']:.4f} F1 {row['f1_micro']:.4f} at {row['threshold']:g}"
         train_acc = row.get("train_accuracy")
         if row.get("accuracy") is None or train_acc is None:
             self._say(head)
