@@ -331,7 +331,7 @@ def test_fit_takes_numpy_as_keras_gives_it(tmp_path):
 def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
     """Keras's ``to_categorical`` labels (N x C floats): the same weights and accuracy as the class indices, the
     classes counted from the width (the last one no sample has), label smoothing applied; rows of other
-    probabilities stay soft targets (no accuracy); integer rows that are not one-hot and one-hot splits of different
+    probabilities stay soft targets (no accuracy), multi-hot rows are several labels a sample; integer rows that are neither and one-hot splits of different
     widths are one sentence. Before, float one-hot labels trained as a regression with no accuracy at all, silently,
     and integer ones crashed in the loss."""
     from brickyard import fit
@@ -355,12 +355,13 @@ def test_fit_reads_one_hot_labels_as_the_classes_they_encode(tmp_path):
             run_dir=tmp_path / "dummies", overrides=ov)  # pandas' get_dummies: booleans (a crash in the loss before)
     assert s["steps"] == 3 and "one-hot labels (64 x 4) read as class indices" in (tmp_path / "dummies" / "train.log").read_text()
     with pytest.raises(DataError, match=re.escape("train_data: labels are 64 x 4 integers but not one-hot")):
-        fit(torch.nn.Linear(36, 4), (images, np.ones((64, 4), dtype=np.int64)), run_dir=tmp_path / "multi", overrides=ov)
-    multi = (rng.random((64, 4)) < 0.4).astype(np.int64)  # several labels a sample, for a multi-label loss of the user's
+        fit(torch.nn.Linear(36, 4), (images, np.full((64, 4), 2, dtype=np.int64)), run_dir=tmp_path / "counts", overrides=ov)
+    multi = (rng.random((64, 4)) < 0.4).astype(np.int64)  # several labels a sample (here a multi-label loss of the user's)
     s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, multi), (images[:16], multi[:16]),
             run_dir=tmp_path / "multi-label", overrides=ov,
             loss_fn=lambda out, y: torch.nn.functional.binary_cross_entropy_with_logits(out, y.float()))
     assert s["steps"] == 3 and s["val_accuracy"] is None and s["val_loss"] is not None  # kept as rows, not scored as classes
+    assert s["val_map"] is not None  # scored as several labels a sample (data.task auto: multilabel)
     soft = np.full((64, 4), 0.25, dtype=np.float32)
     s = fit(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4)), (images, soft), run_dir=tmp_path / "soft",
             overrides=ov)

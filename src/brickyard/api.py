@@ -290,6 +290,9 @@ def evaluate_checkpoint(path, split: str = "test", device: str = "auto", tta: st
                else f"{cfg.data.root} has no {split}/ folder" if cfg.data.name == "imagefolder" and split != "train"
                else f"{cfg.data.name} has none")
         raise ConfigError(f"--split {split}: this run's data has no {split} split ({why}); it has {have}.")
+    if tta != "none" and cfg.data.task == "multilabel":
+        raise ConfigError(f"--tta {tta} averages the class probabilities of one label an image; this checkpoint tags "
+                          f"several (data.task: multilabel): evaluate it without.")
     if tta != "none" and not data.is_images:
         raise ConfigError(f"--tta {tta} moves and mirrors images (N x C x H x W); this data set's inputs are not images.")
     d = dev.resolve_device(device)

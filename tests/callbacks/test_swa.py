@@ -14,7 +14,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 from brickyard.callbacks import SWA
 from brickyard.config import load_config
 from brickyard.errors import ConfigError
-from conftest import ACROSS_ORDERS, SYNTH, run_cli_many, sets
+from conftest import ACROSS_ORDERS, SYNTH, run_cli, run_cli_many, sets
 from layouts import diff, last, train
 
 
@@ -74,7 +74,9 @@ def test_swa_equals_torchs_averaged_model_swalr_and_update_bn():
         assert diff(model.state_dict(), ref_model.module.state_dict()) < 1e-6
     assert diff(model.state_dict(), raw) == 0  # and the raw weights back after
     state = cb.state_dict()
-    cb.on_loop_end(run)  # the run ends with the average
+    cb.on_loop_end(run)
+    assert diff(model.state_dict(), raw) == 0  # the loop's last checkpoint holds the raw weights
+    cb.on_train_end(run, {})  # the run ends with the average
     assert diff(model.state_dict(), ref_model.module.state_dict()) < 1e-6 and run.swap is None
     # a resumed callback holds the same average and gives the same rate
     again = SWA(start=0.5, lr=0.01, anneal=0.25, every=2)
@@ -83,6 +85,11 @@ def test_swa_equals_torchs_averaged_model_swalr_and_update_bn():
     again.on_train_start(resumed)
     assert again.count == 6 and all(torch.equal(a, b) for a, b in zip(again.avg, cb.avg))
     assert resumed.lr_override == pytest.approx(0.01) and resumed.swap is not None
+    mid = FakeRun(**{**vars(run), "step": 10, "swap": None, "lr_override": None})  # resumed in the anneal
+    halfway = SWA(start=0.5, lr=0.01, anneal=0.25, every=2)
+    halfway.load_state_dict(state)
+    halfway.on_train_start(mid)
+    assert mid.lr_override == pytest.approx(0.1 * 0.5 + 0.01 * 0.5)  # SWALR's cosine halfway: (1 - cos(pi / 2)) / 2
 
 
 @pytest.mark.fast
@@ -117,13 +124,19 @@ def rows(run_dir, kind):
 
 def test_swa_resumes_to_the_same_average_and_ends_with_it(tmp_path):
     """A net with batch norm (fashion_lean) on 32 steps, averaging from step 16 every step (a phase under ten epochs:
-    ten averages at least), the rate annealed to 0.001 over 3 steps; stopped at step 20 and resumed."""
+    ten averages at least), the rate annealed to 0.001 over 3 steps; stopped at step 20 and resumed from its
+    checkpoint of step 16, the first average's (written at the step's end, after the average: SWA runs first)."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    for r in run_cli_many(
-            ["train", "mnist", *S, "--device", "cpu", "--run-dir", whole],
-            ["train", "mnist", *S, *sets("train.max_steps=20"), "--device", "cpu", "--run-dir", parts],
-            ["train", "mnist", *S, *sets("train.max_steps=0"), "--device", "cpu", "--run-dir", parts, "--resume", "auto"]):
-        assert r.returncode == 0, r.stderr
+    every = sets("checkpoint.every_steps=4")
+    first, second = run_cli_many(
+        ["train", "mnist", *S, *every, "--device", "cpu", "--run-dir", whole],
+        ["train", "mnist", *S, *every, *sets("train.max_steps=20"), "--device", "cpu", "--run-dir", parts])
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    (parts / "checkpoints" / "step-0000020.pt").unlink()
+    r = run_cli("train", "mnist", *S, *every, *sets("train.max_steps=0"), "--device", "cpu", "--run-dir", parts,
+                "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "step-0000016.pt at step 16" in (parts / "train.log").read_text()
     a, b = last(whole), last(parts)
     assert a["step"] == b["step"] == 32 and a["callbacks"][SWA_KEY]["count"] == 17
     assert all(torch.equal(x, y) for x, y in zip(a["callbacks"][SWA_KEY]["avg"], b["callbacks"][SWA_KEY]["avg"]))

@@ -33,10 +33,11 @@ def test_ece_equals_the_reference_loop_and_adds_over_ranks():
     bins.update(logits, y)
     ece, table = bins.result()
     assert ece == pytest.approx(reference_ece(logits, y), abs=1e-6) and sum(table["count"]) == 1000
-    halves = Bins(torch.device("cpu"))  # two ranks' shares are two sets of sums: their total is the whole's
-    halves.update(logits[:400], y[:400])
-    halves.update(logits[400:], y[400:])
-    assert halves.result()[0] == pytest.approx(ece, abs=1e-12)
+    first, second = Bins(torch.device("cpu")), Bins(torch.device("cpu"))  # two ranks' shares: their sums add up
+    first.update(logits[:400], y[:400])
+    second.update(logits[400:], y[400:])
+    first.sums += second.sums  # what result()'s all-reduce does over two ranks
+    assert first.result()[0] == pytest.approx(ece, abs=1e-12)
     # a temperature divides the logits scored; the predictions and the raw ECE stay
     acc = EvalAccumulator(10, torch.device("cpu"), temperature=2.0)
     acc.update(logits, y)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from brickyard.data.adapters.arrays import multi_hot
-from brickyard.observe.multilabel import MultiLabelAccumulator, at_threshold, average_precision, best_threshold
+from brickyard.observe.multilabel import THRESHOLDS, MultiLabelAccumulator, at_threshold, average_precision
 
 
 def _case(seed=0, n=300, c=6):
@@ -33,10 +33,11 @@ def test_multilabel_metrics_equal_scikit_learns():
     acc.update(logits[120:], targets[120:])
     r = acc.result()
     assert r["map"] == pytest.approx(ap[:5].mean().item(), abs=1e-12) and r["map_micro"] == pytest.approx(micro, abs=1e-12)
-    assert r["threshold"] == best_threshold(scores, targets) and r["accuracy"] is None
-    pred = (scores >= r["threshold"]).int().numpy()
     y = targets.int().numpy()
     kw = {"zero_division": 0}
+    micro_f1 = {t: sklearn.f1_score(y, (scores >= t).int().numpy(), average="micro", **kw) for t in THRESHOLDS}
+    assert r["threshold"] == max(THRESHOLDS, key=lambda t: (micro_f1[t], -t)) and r["accuracy"] is None
+    pred = (scores >= r["threshold"]).int().numpy()
     assert r["f1_micro"] == pytest.approx(sklearn.f1_score(y, pred, average="micro", **kw), abs=1e-12)
     assert r["f1_macro"] == pytest.approx(sklearn.f1_score(y, pred, average="macro", **kw), abs=1e-12)
     assert r["precision_micro"] == pytest.approx(sklearn.precision_score(y, pred, average="micro", **kw), abs=1e-12)

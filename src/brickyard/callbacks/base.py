@@ -62,6 +62,8 @@ class Callback:
     ``brickyard.Run``: ``training.run``)."""
 
     state_key_fields: tuple[str, ...] = ()  # attributes that tell two instances of one class apart
+    # called before brickyard's checkpoints are written (EMA, SWA: a step's checkpoint holds that step's average)
+    before_checkpoints: bool = False
 
     def on_train_start(self, run): pass
     def on_epoch_start(self, run): pass

@@ -22,6 +22,7 @@ class EMA(Callback):
         self.decay, self.avg = decay, None
 
     state_key_fields = ("decay",)
+    before_checkpoints = True
 
     def on_train_start(self, run):
         self.live = list(run.model.parameters()) + list(run.model.buffers())  # updated in place, so kept once
@@ -41,8 +42,8 @@ class EMA(Callback):
                 torch._foreach_lerp_([a for a, _ in pairs], [w for _, w in pairs], 1.0 - self.decay)
             _copy([a for a, _ in self.counters], [w for _, w in self.counters])
 
-    def on_loop_end(self, run):
-        with torch.no_grad():  # the run ends with the averaged weights
+    def on_train_end(self, run, summary):
+        with torch.no_grad():  # the run ends with the averaged weights (the test evaluated them swapped in)
             _copy(self.live, self.avg)
         run.use_eval_weights(None)
 

@@ -45,6 +45,7 @@ class SWA(Callback):
     recompute batch norm's statistics for the average before the last validation (``update_bn``)."""
 
     state_key_fields = ("start",)
+    before_checkpoints = True
 
     def __init__(self, start: float = 0.8, lr: float | None = None, anneal: float = 0.2, every: int | None = None,
                  bn_update: bool = True):
@@ -69,6 +70,9 @@ class SWA(Callback):
         if self.begin >= total:
             raise ConfigError(f"SWA: start {self.start} is step {self.begin}, at or past the run's last step ({total}); "
                               f"choose an earlier start.")
+        if self.begin >= run.total_steps:
+            run.log.warning(f"SWA: its start (step {self.begin} of the {total} planned) comes after this run stops at "
+                            f"step {run.total_steps} (train.max_steps or train.stop_epoch): nothing is averaged")
         phase = total - self.begin
         self.spacing = self.every or max(1, min(per_epoch, phase // 10))
         self.anneal_steps = max(1, round(self.anneal * phase))
@@ -126,11 +130,13 @@ class SWA(Callback):
             self._refresh_bn(run)
 
     def on_loop_end(self, run):
+        if self.avg is not None and not run.interrupted:
+            self._refresh_bn(run)  # for the test and the final weights: a run without validation data, an early stop
+
+    def on_train_end(self, run, summary):
         if self.avg is None:
             return
-        if not run.interrupted:
-            self._refresh_bn(run)  # a run without validation data
-        with torch.no_grad():  # the run ends with the averaged weights
+        with torch.no_grad():  # the run ends with the averaged weights (the test evaluated them swapped in)
             self._swap_in()
         run.use_eval_weights(None)
 

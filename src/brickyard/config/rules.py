@@ -86,6 +86,13 @@ def dim_reduce_is_collective(boost, dist) -> None:
         raise ConfigError("boost.dim_reduce runs in the collective mode (dist.mode: collective).")
 
 
+@across("train", "schedule")
+def swa_rate_needs_the_schedule(train, schedule) -> None:
+    if train.swa.start and train.swa.lr and schedule.name == "none":
+        raise ConfigError("train.swa.lr sets the rate through brickyard's schedule, and schedule.name: none leaves the "
+                          "rates to your own scheduler; set train.swa.lr: 0 (averaging alone) or choose a schedule.")
+
+
 @across("train", "dist")
 def swa_is_collective(train, dist) -> None:
     if train.swa.start and dist.mode == "ps":

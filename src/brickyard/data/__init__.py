@@ -42,8 +42,7 @@ def build_data(cfg) -> DataBundle:
 def _build(cfg) -> DataBundle:
     if cfg.name.endswith("-mosaic"):  # several labels an image, made from the single-label set (data/mosaic.py)
         from brickyard.data.mosaic import mosaic_bundle  # only runs of these data sets need it
-        return mosaic_bundle(cfg.name, _build(dataclasses.replace(cfg, name=cfg.name.removesuffix("-mosaic"),
-                                                                  train_on_all=False)))
+        return mosaic_bundle(cfg.name, _build(dataclasses.replace(cfg, name=cfg.name.removesuffix("-mosaic"))))
     if cfg.name == "synthetic":
         return synthetic_bundle(cfg.synthetic, seed=1234)
     if cfg.name == "imagefolder":

@@ -3,8 +3,8 @@
 Each image is 56 x 56, a 2 x 2 grid of 28-pixel cells; 1 to 4 of the cells (as many as drawn, uniformly) hold a
 digit (or garment) drawn at random, the others stay black, and the image's tags are the classes present (a class
 drawn twice is one tag): multi-hot rows of 10. The training and validation mosaics are made from the data set's
-training images (its first 50,000 and last 10,000, as the single-label sets split them), the test mosaics from its
-test images; each split's draws are seeded, so every run and every rank builds the same images.
+training images (its first 50,000 and last 10,000, as the single-label sets split them; with ``data.train_on_all``
+the training mosaics from all 60,000 and no validation), the test mosaics from its test images; each split's draws are seeded, so every run and every rank builds the same images.
 """
 from __future__ import annotations
 

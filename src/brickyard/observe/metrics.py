@@ -118,7 +118,7 @@ class EvalAccumulator:
                "reliability": table}
         if raw is not None:
             out.update(ece_uncalibrated=raw[0], temperature=self.temperature)
-        if not self.with_confusion:
+        if not self.with_confusion and self.classify:  # an empty share (None) scores the summed confusion too
             return out
         confusion = self.confusion.view(self.c, self.c).cpu()
         per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1).double()).tolist()

@@ -206,6 +206,9 @@ def predict(model_or_checkpoint, inputs, outputs=(), device: str | None = None, 
         outputs = [o for o in outputs.split(",") if o]  # "conv1,fc" as the CLI's --outputs, not its characters
     if tta not in TTA:
         raise BrickyardError(f"tta: {tta!r} is not one of {', '.join(TTA)}.")
+    if tta != "none" and meta.get("task") == "multilabel":
+        raise BrickyardError(f"tta: {tta} averages the class probabilities of one label an image; this model tags "
+                             f"several (data.task: multilabel): predict without it.")
     if tta != "none" and (outputs or meta.get("normalises")):
         why = "layer outputs are of one view" if outputs else "an exported program normalises its own inputs"
         raise BrickyardError(f"tta: {tta} averages several views of each image, and {why}; predict without it.")

@@ -173,6 +173,8 @@ class SplitEvaluator:
             return False
         c, split = run.config, run.data.train
         even = eval_count(split, 0) // self.readers * self.readers  # every reader the same number of batches
+        if not even:  # fewer samples than readers (limit 0 would mean all of them, unevenly)
+            return False
         inputs = (self.prep(x) for x, _ in eval_batches(split, c.data.eval_batch_size, run.device, self.readers,
                                                         self.reader, c.data.num_workers, even))
         with torch.no_grad(), dev.autocast(run.device, run.precision):

@@ -60,7 +60,7 @@ def check_before_writing(cfg: Config, model: nn.Module, data, user, info, way, r
         raise ConfigError(f"train_step: the {way.name} way of training runs its own step (its schedule calls the model "
                           f"and the loss), and a train_step of your own is not built for it yet; pass loss_fn instead.")
     _check_image_features(cfg, data)
-    check_task(cfg, data)
+    check_task(cfg, data, user.loss_fn is not None or user.train_step is not None)
 
 
 SINGLE_ONLY = ("val_accuracy", "val_top5", "val_precision_macro", "val_recall_macro", "val_f1_weighted",
@@ -68,8 +68,9 @@ SINGLE_ONLY = ("val_accuracy", "val_top5", "val_precision_macro", "val_recall_ma
 MULTI_ONLY = ("val_map", "val_map_micro", "val_f1_micro")
 
 
-def check_task(cfg, data) -> None:
-    """What one label an image, or several (``data.task``, resolved), does not combine with: one sentence each."""
+def check_task(cfg, data, own_loss: bool = False) -> None:
+    """What one label an image, or several (``data.task``, resolved), does not combine with: one sentence each
+    (``own_loss``: a ``loss_fn`` or ``train_step`` of the user's, which label smoothing does not touch)."""
     d, multi = cfg.data, cfg.data.task == "multilabel"
     if multi and not data.multilabel and data.in_memory and data.train.labels is not None and data.train.labels.dim() == 1:
         raise ConfigError("data.task: multilabel takes labels as multi-hot rows (N x tags, 1 where a tag applies); "
@@ -87,7 +88,7 @@ def check_task(cfg, data) -> None:
                               f"{'val_map, val_f1_macro or val_loss' if multi else 'val_accuracy, val_f1_macro or val_loss'}.")
     if not multi:
         return
-    for on, key in ((cfg.optim.label_smoothing > 0, f"optim.label_smoothing: {cfg.optim.label_smoothing} (it spreads one "
+    for on, key in ((cfg.optim.label_smoothing > 0 and not own_loss, f"optim.label_smoothing: {cfg.optim.label_smoothing} (it spreads one "
                                                     f"label's share over the others; set it to 0)"),
                     (d.balance, "data.balance (it draws images by their one class; weigh tags with optim.class_weights)"),
                     (cfg.train.calibrate, "train.calibrate (temperature scaling calibrates one softmax over the classes)"),

@@ -124,8 +124,10 @@ class Trainer:
         self.checkpoints = ckpt.Checkpoints(job.run_dir / "checkpoints", c.keep_last, c.keep_best, info.is_main,
                                             self.guard, self.state_dict, way.sharded, self._saved)
         self.view = RunView(self.run)  # what every hook gets: the run, read-only but lr_scale
-        self.callbacks = CallbackList(self._own_callbacks(metrics) + way.callbacks(self.run, self.update, metrics)
-                                      + from_config(cfg) + list(user.callbacks), view=self.view)
+        given = from_config(cfg) + list(user.callbacks)
+        first = [cb for cb in given if getattr(cb, "before_checkpoints", False)]  # EMA, SWA: before a step's checkpoint
+        self.callbacks = CallbackList(first + self._own_callbacks(metrics) + way.callbacks(self.run, self.update, metrics)
+                                      + [cb for cb in given if cb not in first], view=self.view)
         self.meta, self.metrics = user.meta, metrics
         self.step_once, self.graphs_note = graphs.choose(self, bool(user.train_step or user.loss_fn), log)  # or eager
 

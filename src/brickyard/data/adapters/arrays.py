@@ -134,21 +134,25 @@ def one_hot_labels(splits, names, notes: list[str], own_loss: bool = False) -> i
     binary cross-entropy (``data.task`` auto reads them as multilabel); other integer rows are one sentence, unless
     the user's own loss (``own_loss``) takes them. Returns C, or 0 when no split's labels were one-hot or multi-hot;
     splits of different widths are one sentence."""
-    widths, several = {}, False
+    widths: dict = {}
+    several = None  # the training split's labels decide: several labels a sample, or one
     for split, name in zip(splits, names):
         labels = None if split is None else split.labels
         if labels is None or labels.dim() != 2 or labels.shape[1] < 2 or not len(labels):
             continue
-        several = several or multi_hot(labels)
-        if several and (multi_hot(labels) or one_hot(labels)):  # the training split's decides: a later one of single tags too
+        several = multi_hot(labels) if several is None else several
+        if not several and multi_hot(labels):
+            raise DataError(f"{name}: labels are multi-hot rows (several a sample) and train_data's are one a sample; "
+                            f"give every split the same kind.")
+        if several and (multi_hot(labels) or one_hot(labels)):  # a later split of single tags is read as several too
             widths[name], split.labels = labels.shape[1], labels.float()
             notes.append(f"{name}: multi-hot labels ({len(labels)} x {labels.shape[1]}): several labels a sample")
             continue
         if not one_hot(labels):
             if not labels.is_floating_point() and not own_loss:
                 raise DataError(f"{name}: labels are {len(labels)} x {labels.shape[1]} integers but not one-hot (a single 1 "
-                                f"a row); give class indices (N labels) or one-hot rows, or pass loss_fn for several "
-                                f"labels a sample.")
+                                f"a row) nor multi-hot (0s and 1s); give class indices (N labels), one-hot or multi-hot "
+                                f"rows, or pass loss_fn for other targets.")
             continue
         widths[name] = labels.shape[1]
         split.labels = labels.argmax(1)
