@@ -111,6 +111,9 @@ def test_the_mosaic_preset_tags_digits_alike_on_one_and_two_processes(tmp_path):
     assert best["meta"]["task"] == "multilabel" and best["meta"]["threshold"] == a["val_threshold"]
     e = json.loads(run_cli("eval", str(one / "checkpoints" / "step-0000030.pt"), "--limit", "300").stdout)
     assert e["map"] == pytest.approx(a["test_map"], abs=1e-6) and e["threshold"] == a["test_threshold"]
+    # the 2-process run's test gathered both ranks' scores: one process scoring its checkpoint agrees
+    e2 = json.loads(run_cli("eval", str(two / "checkpoints" / "step-0000030.pt"), "--limit", "300").stdout)
+    assert e2["map"] == pytest.approx(b["test_map"], abs=1e-6) and e2["f1_micro"] == pytest.approx(b["test_f1_micro"], abs=1e-9)
     images = build_data(load_config("mnist-mosaic").data).test.images[:50]
     p = predict(one / "checkpoints" / "step-0000030.pt", images)
     assert p["predicted"].shape == (50, 10) and ((p["probabilities"] >= a["test_threshold"]).long() == p["predicted"]).all()
