@@ -34,14 +34,23 @@ def test_vit_tiny_on_two_ranks_trains_one_process_weights_and_resumes_across_the
     assert diff(a["model"], b["model"]) < 1e-5
     assert diff({i: s["momentum_buffer"] for i, s in a["optimizer"]["state"].items()},
                  {i: s["momentum_buffer"] for i, s in b["optimizer"]["state"].items()}) < 1e-5
-    total = sum(v.numel() for v in a["model"].values())
+    total, holds = sum(v.numel() for v in a["model"].values()), {}
     for rank in (0, 1):
         line = re.search(r"tensor parallel: rank (\d) of 2 holds ([\d,]+) of ([\d,]+) parameters \((.*)\)",
                          (two / "logs" / f"workerlog.{rank}").read_text())
         assert line and int(line[1]) == rank and int(line[3].replace(",", "")) == total
-        assert 0.5 * total < int(line[2].replace(",", "")) < 0.75 * total  # MLPs and head halved; the rest whole
+        holds[rank] = int(line[2].replace(",", ""))
+        assert 0.5 * total < holds[rank] < 0.75 * total  # MLPs and head halved; the rest whole
         assert line[4] == "12 MLPs column/row split, head rows split; attention replicated: 3 heads over 2"
     assert json.loads((two / "summary.json").read_text())["strategy"] == "tensor_parallel"
+    # `brickyard memory`'s count of a rank's parameters (fp32 bytes) is what rank 0 held
+    from brickyard.api import build_model
+    from brickyard.data import build_data
+    from brickyard.training import memory
+    cfg = load_config("mnist", VIT + ["dist.tensor_parallel=2"])
+    data = build_data(cfg.data)
+    est = memory.estimate(cfg, build_model(cfg, data), data, torch.device("cpu"), 2, compare=False)
+    assert est["parameters"] == 4 * holds[0] and est["strategy"] == "tensor_parallel"
     back = moved(two, 10, tmp_path / "back")  # 2 ranks -> 1 process
     train(back, "dist.tensor_parallel=1", resume=True)
     assert "step-0000010.pt at step 10" in (back / "logs" / "workerlog.0").read_text()
@@ -90,6 +99,7 @@ state = {k: fsdp.full(v) for k, v in split.state_dict().items()}
 own = whole.state_dict()
 with open(f"{sys.argv[1]}.{dist.get_rank()}", "w") as f:
     json.dump({"split": plan.heads_split, "described": plan.describe(2), "held": tp.held(split), "norms": norms,
+               "planned": tp.planned_held(whole, tp.plan(whole, 2), 2),
                "grads": grads, "names": list(state) == list(own),
                "weights": max((state[k] - own[k]).abs().max().item() for k in own)}, f)
 dist.destroy_process_group()
@@ -109,6 +119,7 @@ def test_attention_split_by_heads_computes_what_the_whole_model_does(tmp_path):
         assert got["described"] == "12 MLPs column/row split, head rows split; attention split by heads (12 modules)"
         held, total = got["held"]
         assert 0.45 * total < held < 0.55 * total  # all but the norms, embeddings and second-layer biases halved
+        assert got["planned"] == held  # counted on the whole model before the split (brickyard memory's figure)
         assert got["norms"][0] == pytest.approx(got["norms"][1], rel=1e-5) and got["norms"][0] > 1.0  # clipped
         assert got["grads"] < 1e-6 and got["names"] and got["weights"] < 1e-6
 

@@ -28,6 +28,7 @@ and ``like`` places a whole tensor as its DTensor is placed, so a checkpoint hol
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -216,6 +217,26 @@ class HeadSplitAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         out = _Leave.apply(F.linear(o, self.out_proj.weight.to_local()), self.group) + self.out_proj.bias
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+def planned_held(model: nn.Module, the_plan: Plan, n: int, trainable: bool = False) -> int:
+    """The parameters (elements) rank 0 of ``n`` will hold once ``the_plan`` splits ``model`` (the most any rank holds:
+    DTensor's uneven shards give the first ranks the larger ones), counted on the whole model before any split, as
+    ``brickyard memory`` needs it; ``trainable``: those that take gradients only."""
+    cols = {c for c, _ in the_plan.pairs} | ({the_plan.head} if the_plan.head else set())
+    rows, heads = {r for _, r in the_plan.pairs}, set(the_plan.heads_split)
+    total = 0
+    for name, p in model.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        shape, part = list(p.shape), -(-p.shape[0] // n) if p.dim() else 1
+        if owner in cols or (owner in heads and leaf.startswith("in_proj")):  # rows (q, k, v each by heads)
+            shape[0] = part if owner in cols else 3 * -(-(p.shape[0] // 3) // n)
+        elif (owner in rows or (owner.endswith(".out_proj") and owner.rpartition(".")[0] in heads)) and leaf == "weight":
+            shape[1] = -(-p.shape[1] // n)  # columns; the bias stays whole
+        total += math.prod(shape)
+    return total
 
 
 def held(model: nn.Module) -> tuple[int, int]:

@@ -115,6 +115,11 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
     trainable = [p for p in params if p.requires_grad]
     param_b = sum(p.numel() * p.element_size() for p in params)
     grad_b = sum(p.numel() * p.element_size() for p in trainable)
+    tp_n = cfg.dist.tensor_parallel if cfg.dist.pipeline.stages < 2 else 1  # inside pipeline stages: not counted yet
+    if tp_n > 1:  # each rank holds its shards of the split layers and the rest whole (rank 0's, the largest)
+        from brickyard.distributed import tensor_parallel as tp  # lazy: tensor-parallel runs only
+        the_plan, size = tp.plan(model, tp_n), params[0].element_size() if params else 4
+        param_b, grad_b = (size * tp.planned_held(model, the_plan, tp_n, trainable=t) for t in (False, True))
     copies = STATE_COPIES[cfg.optim.name]
     state_b = copies * grad_b
     # activations: measured on the CPU at two small batches, fitted linearly; with activation
@@ -156,7 +161,8 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         "loader_host_buffers": loader_b, "total": total, "batch": batch, "precision": precision,
         "per_sample_total": per_sample + 12 * sample_b, "fixed": fixed, "world_size": world_size,
         "activation_checkpointing": checkpointing, "activations_fixed": act_fixed,
-        "strategy": ("fsdp + offload" if offload else "fsdp") if fsdp else "ddp", "sharded": sharded,
+        "strategy": ("fsdp + offload" if offload else "fsdp") if fsdp else "tensor_parallel" if tp_n > 1 else "ddp",
+        "sharded": sharded,
         "gathered": gathered, "whole": param_b + grad_b + state_b, "data_fixed": data_b, "sample_buffers": 12 * sample_b,
         "host_offloaded": sum(sharded.values()) if offload else 0,
         "stages": stage_estimates(cfg, m, data, precision, batch, world_size),
