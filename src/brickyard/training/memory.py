@@ -111,15 +111,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
     batch = device_batch(cfg, max(1, readers_of(cfg, world_size)))  # a pipeline's stages share one batch
     precision = for_model(cfg.train.precision, model, data, batch, device, channels_last) if compare and batch > 1 \
         else dev.resolve_precision(cfg.train.precision, device)
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    param_b = sum(p.numel() * p.element_size() for p in params)
-    grad_b = sum(p.numel() * p.element_size() for p in trainable)
-    tp_n = cfg.dist.tensor_parallel if cfg.dist.pipeline.stages < 2 else 1  # inside pipeline stages: not counted yet
-    if tp_n > 1:  # each rank holds its shards of the split layers and the rest whole (rank 0's, the largest)
-        from brickyard.distributed import tensor_parallel as tp  # lazy: tensor-parallel runs only
-        the_plan, size = tp.plan(model, tp_n), params[0].element_size() if params else 4
-        param_b, grad_b = (size * tp.planned_held(model, the_plan, tp_n, trainable=t) for t in (False, True))
+    tp_n, param_b, grad_b = _held(cfg, model)
     copies = STATE_COPIES[cfg.optim.name]
     state_b = copies * grad_b
     # activations: measured on the CPU at two small batches, fitted linearly; with activation
@@ -167,6 +159,20 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         "host_offloaded": sum(sharded.values()) if offload else 0,
         "stages": stage_estimates(cfg, m, data, precision, batch, world_size),
     }
+
+
+def _held(cfg, model) -> tuple[int, int, int]:
+    """(tensor-parallel ranks, the bytes of parameters a rank holds, of their gradients): the whole model's, or with
+    ``dist.tensor_parallel`` rank 0's shards of the split layers and the rest whole (the largest any rank holds).
+    Inside pipeline stages tensor parallel is not counted yet."""
+    params = list(model.parameters())
+    tp_n = cfg.dist.tensor_parallel if cfg.dist.pipeline.stages < 2 else 1
+    if tp_n > 1:
+        from brickyard.distributed import tensor_parallel as tp  # lazy: tensor-parallel runs only
+        the_plan, size = tp.plan(model, tp_n), params[0].element_size() if params else 4
+        return tp_n, size * tp.planned_held(model, the_plan, tp_n), size * tp.planned_held(model, the_plan, tp_n, True)
+    return 1, sum(p.numel() * p.element_size() for p in params), \
+        sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def stage_estimates(cfg, model, data, precision: str, batch: int, world: int = 0) -> list[dict] | None:
