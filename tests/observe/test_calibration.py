@@ -106,4 +106,4 @@ def test_calibrate_keeps_the_temperature_uses_it_and_resumes_to_it(tmp_path):
 def test_calibrate_without_a_validation_split_is_one_sentence(tmp_path):
     r = run_cli("train", "mnist", *sets(*S, "data.synthetic.num_val=0"), "--run-dir", str(tmp_path / "r"))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: train.calibrate fits")
-    assert not (tmp_path / "r" / "checkpoints").exists()
+    assert not (tmp_path / "r").exists()  # refused before anything is written

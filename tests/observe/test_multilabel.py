@@ -64,8 +64,9 @@ def test_check_task_refuses_what_several_labels_do_not_combine_with():
     from brickyard.config import load_config
     from brickyard.errors import ConfigError
     from brickyard.training.resolve import check_task
-    several = SimpleNamespace(multilabel=True, in_memory=True, train=SimpleNamespace(labels=torch.zeros(4, 3)))
-    one = SimpleNamespace(multilabel=False, in_memory=True, train=SimpleNamespace(labels=torch.zeros(4, dtype=torch.long)))
+    several = SimpleNamespace(multilabel=True, in_memory=True, train=SimpleNamespace(labels=torch.zeros(4, 3)), val=1)
+    one = SimpleNamespace(multilabel=False, in_memory=True, train=SimpleNamespace(labels=torch.zeros(4, dtype=torch.long)),
+                          val=1)
     cases = [(["optim.label_smoothing=0.1"], several, "does not combine with optim.label_smoothing: 0.1"),
              (["data.balance=true"], several, "does not combine with data.balance"),
              (["train.calibrate=true"], several, "does not combine with train.calibrate"),

@@ -72,6 +72,9 @@ def check_task(cfg, data, own_loss: bool = False) -> None:
     """What one label an image, or several (``data.task``, resolved), does not combine with: one sentence each
     (``own_loss``: a ``loss_fn`` or ``train_step`` of the user's, which label smoothing does not touch)."""
     d, multi = cfg.data, cfg.data.task == "multilabel"
+    if cfg.train.calibrate and data.val is None:
+        raise ConfigError("train.calibrate fits its temperature on the validation split, and this run has none "
+                          "(data.train_on_all, or data of your own without val_data); keep one or turn it off.")
     if multi and not data.multilabel and data.in_memory and data.train.labels is not None and data.train.labels.dim() == 1:
         raise ConfigError("data.task: multilabel takes labels as multi-hot rows (N x tags, 1 where a tag applies); "
                           "this data's labels are one class a sample.")

@@ -40,7 +40,7 @@ from brickyard.config import Config
 from brickyard.data import DataBundle, augment
 from brickyard.data.loaders import make_train_loader
 from brickyard.distributed import process as dist
-from brickyard.errors import BrickyardError, CheckpointError, ConfigError, DataError, reason
+from brickyard.errors import BrickyardError, CheckpointError, DataError, reason
 from brickyard.models.finetune import find_head
 from brickyard.observe.inspection import Watcher
 from brickyard.observe.runlog import read_metrics
@@ -93,9 +93,6 @@ class Trainer:
 
     def __init__(self, job: Job, model: nn.Module, data: DataBundle, user: UserParts, log, metrics):
         cfg, host, info, way = job.config, job.host, job.info, job.way
-        if cfg.train.calibrate and data.val is None:
-            raise ConfigError("train.calibrate fits its temperature on the validation split, and this run has none "
-                              "(data.train_on_all, or data of your own without val_data); keep one or turn it off.")
         self.job, self.config, self.plan, self.way, self.data = job, cfg, job.plan, way, data
         self.log_every = int(cfg.train.log_every)  # resolved (auto: training.resolve.log_every)
         whole, self.model, self.channels_last = place(model, job, data, log)
