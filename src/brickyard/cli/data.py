@@ -31,10 +31,11 @@ def add(sub) -> None:
     for name, doc in (("fetch", "download and verify a data set"), ("info", "where a data set is and what it holds"),
                       ("export", "write a data set as a PNG image folder (train/, val/, test/)")):
         a = dsub.add_parser(name, help=doc)
-        a.add_argument("name", help="mnist, fashion-mnist" + (", cifar10 or cifar100" if name != "export" else ""))
+        a.add_argument("name", help="mnist, fashion-mnist" + (", cifar10 or cifar100" if name != "export" else
+                                                              ", mnist-mosaic or fashion-mnist-mosaic (a folder tagged by CSV files)"))
         if name == "export":
             a.add_argument("out", metavar="DIR", help="folder to write")
-            a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split")
+            a.add_argument("--limit", type=int, default=0, help="only the first N images of each class in each split (a mosaic set: of each split)")
             a.add_argument("--jpeg", type=int, default=0, metavar="SIZE", help="RGB JPEGs upscaled to SIZE px (a photo-sized benchmark workload)")
         a.add_argument("--root", help="folder holding the data set's files")
 
@@ -48,8 +49,10 @@ def run(args) -> int:
         return _photos(args)
     if args.name in cifar.SPECS and args.data_command != "export":
         return _cifar(args, cifar, idx)
+    if args.data_command == "export" and args.name.endswith("-mosaic") and args.name.removesuffix("-mosaic") in idx.SPECS:
+        return _mosaic(args)
     if args.name not in idx.SPECS:
-        known = list(idx.SPECS) + ([] if args.data_command == "export" else list(cifar.SPECS))
+        known = list(idx.SPECS) + ([f"{n}-mosaic" for n in idx.SPECS] if args.data_command == "export" else list(cifar.SPECS))
         raise BrickyardError(f"data set {args.name!r} is not one of {', '.join(known)}"
                              f"{' (export writes the MNIST-format sets)' if args.name in cifar.SPECS else ''}.")
     if args.data_command == "export":
@@ -78,6 +81,18 @@ def run(args) -> int:
     tr, te = arrays["train-images-idx3-ubyte"], arrays["t10k-images-idx3-ubyte"]
     print(f"found in {folder}: train {tuple(tr.shape)} uint8, test {tuple(te.shape)} uint8 (checksums verified)")
     print("default split: train 50,000 / val 10,000 / test 10,000 (data.train_on_all: true trains on 60,000)")
+    return 0
+
+
+def _mosaic(args) -> int:
+    """``export mnist-mosaic DIR``: several labels an image, as a folder tagged by CSV files."""
+    # torch loads for this command only (cli/main.py: start-up time)
+    from brickyard.data.export import export_mosaic
+    if args.limit < 0 or args.jpeg:
+        raise BrickyardError("data export: a mosaic set takes --limit 0 (all images) or more, and no --jpeg.")
+    counts = export_mosaic(args.name, Path(args.out), args.root, args.limit)
+    print(f"wrote {', '.join(f'{n:,} {s}' for s, n in counts.items())} PNG images and train.csv, val.csv, test.csv "
+          f"(image,tags) to {args.out}; train on it with --set data.name=imagefolder --set data.root={args.out}")
     return 0
 
 

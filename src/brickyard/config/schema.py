@@ -35,7 +35,7 @@ class SyntheticConfig(Section):
 class DataConfig(Section):
     name: str = _opt("mnist", choices=("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "imagefolder", "mnist-mosaic", "fashion-mnist-mosaic"), doc="a *-mosaic set: 56 x 56 images of 1-4 digits or garments, tagged with the classes present (several labels an image; docs/training.md)")
     task: str = _opt("auto", choices=("auto", "single", "multilabel"), doc="one label an image (cross-entropy) or several (multilabel: binary cross-entropy, mean average precision, a threshold chosen on validation); auto: multilabel where the labels are multi-hot rows, said in the log")
-    root: str | None = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/)")
+    root: str | None = _opt(None, doc="folder holding this data set's files (imagefolder: train/, test/, val/ of class folders, or train.csv, val.csv, test.csv of image,tags beside them)")
     download: bool = _opt(True, doc="download missing files from the public mirrors")
     global_batch_size: int = _opt(256, min=0, doc="images per optimiser step over all devices and accumulation steps; the per-device batch follows from the world size (0 = data.batch_size x world x train.grad_accum)")
     batch_size: int | str = _opt(256, min=1, choices_str=("auto",), doc="per-device batch, used when global_batch_size is 0 (setting it alone sets that), or auto (the largest that fits)")

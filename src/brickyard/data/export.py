@@ -32,8 +32,11 @@ _OURS = re.compile(r"^\d{5}\.(png|jpg)$")  # the names export and make-photos wr
 
 
 def _our_files(out: Path) -> list[Path]:
-    return [f for split in SPLITS if (out / split).is_dir() for c in (out / split).iterdir() if c.is_dir()
-            for f in c.iterdir() if _OURS.match(f.name) and f.is_file()]
+    """The images export and make-photos write: ``split/class/NNNNN.ext``, and a tagged folder's ``split/NNNNN.png``
+    and ``split.csv``."""
+    folders = [c for split in SPLITS if (out / split).is_dir() for c in [out / split, *(out / split).iterdir()] if c.is_dir()]
+    csvs = [out / f"{split}.csv" for split in SPLITS if (out / f"{split}.csv").is_file()]
+    return [f for c in folders for f in c.iterdir() if _OURS.match(f.name) and f.is_file()] + csvs
 
 
 def _recorded(out: Path) -> dict | None:
@@ -55,7 +58,7 @@ def prepare_folder(out: Path, settings: dict) -> None:
                              "train/, val/ and test/ first.")
     for f in files:
         f.unlink()
-    for c in {f.parent for f in files}:
+    for c in {f.parent for f in files} - {out}:
         if not any(c.iterdir()):
             c.rmdir()
     out.mkdir(parents=True, exist_ok=True)
@@ -87,4 +90,30 @@ def export_idx(name: str, out: Path, root: str | None = None, limit: int = 0, jp
                 im = im.convert("RGB").resize((jpeg_size, jpeg_size), Image.BICUBIC)
             write_atomic(path, functools.partial(im.save, format="JPEG", quality=90) if jpeg_size else functools.partial(im.save, format="PNG"))
         counts[split] = len(keep)
+    return counts
+
+
+def export_mosaic(name: str, out: Path, root: str | None = None, limit: int = 0) -> dict[str, int]:
+    """The mosaic data set ``name`` (``data.mosaic``) as a folder tagged by CSV files (``data.tagged``):
+    ``out/<split>/NNNNN.png`` and ``out/<split>.csv`` of ``image,tags``, each image's tags the class names present
+    (spaces in a name written as ``_``: tags are separated by spaces). ``limit``: the first N images of each split."""
+    # the mosaics are built as a run builds them; data/__init__ is the package this module belongs to
+    from brickyard.config import DataConfig
+    from brickyard.data import build_data
+    data = build_data(DataConfig(name=name, root=root))
+    tags = [c.replace(" ", "_") for c in data.classes]
+    prepare_folder(out, {"command": "data export", "name": name, "limit": limit})
+    counts = {}
+    for split in SPLITS:
+        part = getattr(data, split)
+        n = min(limit or len(part), len(part))
+        (out / split).mkdir(parents=True, exist_ok=True)
+        lines = ["image,tags"]
+        for i in range(n):
+            path = out / split / f"{i:05d}.png"
+            if not path.exists():
+                write_atomic(path, functools.partial(Image.fromarray(part.images[i, 0].numpy()).save, format="PNG"))
+            lines.append(f"{path.name},{' '.join(t for t, on in zip(tags, part.labels[i].tolist()) if on)}")
+        write_atomic(out / f"{split}.csv", "\n".join(lines) + "\n")
+        counts[split] = n
     return counts

@@ -337,11 +337,33 @@ def auto_transforms(cfg, first: torch.Tensor):
     return dataclasses.replace(cfg, train_transforms=tuple(train), eval_transforms=tuple(ev))
 
 
+class _Splits:
+    """The splits of the image folder at ``root``: class folders (``scan``), or images tagged by CSV files
+    (``data.tagged``, whose training split decides ``task``, one label an image or several)."""
+
+    def __init__(self, root: Path, task: str):
+        from brickyard.data import tagged  # it reads folders with this module's files_under
+        self.root, self.csv = root, tagged if tagged.tagged(root) else None
+        self.task = task if self.csv else "single"
+
+    def has(self, split: str) -> bool:
+        if self.csv is None:
+            return (self.root / split).is_dir()
+        return (self.root / self.csv.SPLIT_CSV.format(split=split)).is_file()
+
+    def read(self, split: str, classes: list[str] | None = None) -> tuple[list[Path], list, list[str]]:
+        if self.csv is None:
+            return scan(self.root / split, classes)
+        files, labels, vocab, self.task = self.csv.split_of(self.root, split, classes, self.task)
+        return files, labels, vocab
+
+
 def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     if not cfg.root:
         raise ConfigError("data.root: an image-folder data set needs data.root, the folder holding train/ and test/.")
     root = Path(cfg.root).expanduser()
-    files, labels, classes = scan(root / "train")
+    splits = _Splits(root, cfg.task)
+    files, labels, classes = splits.read("train")
     skipped = []
     if cfg.skip_bad_images:  # before the first image is probed for the size: it may be a bad one
         files, labels, skipped = _drop_bad(files, labels)
@@ -353,24 +375,21 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     size, train_size = output_sizes(cfg, first)
     train_pipe = Pipeline(cfg.train_transforms, channels)
     eval_pipe = Pipeline(cfg.eval_transforms, channels)
-    val = None
-    if (root / "val").is_dir() and not cfg.train_on_all:
-        vf, vl, _ = scan(root / "val", classes)
+
+    def split(name: str) -> Split:
+        f, l, _ = splits.read(name, classes)
         if cfg.skip_bad_images:
-            vf, vl, more = _drop_bad(vf, vl)
-            skipped += more
-        val = Split(dataset=ImageFolderDataset(vf, vl, eval_pipe))
+            f, l, more = _drop_bad(f, l)
+            skipped.extend(more)
+        return Split(dataset=ImageFolderDataset(f, l, eval_pipe))
+    val = None
+    if splits.has("val") and not cfg.train_on_all:
+        val = split("val")
     elif cfg.val_fraction > 0:
         vidx, tidx = held_out(len(files), cfg.val_fraction)
         val = Split(dataset=ImageFolderDataset([files[i] for i in vidx], [labels[i] for i in vidx], eval_pipe))
         files, labels = [files[i] for i in tidx], [labels[i] for i in tidx]
-    test = None
-    if (root / "test").is_dir():
-        tf, tl, _ = scan(root / "test", classes)
-        if cfg.skip_bad_images:
-            tf, tl, more = _drop_bad(tf, tl)
-            skipped += more
-        test = Split(dataset=ImageFolderDataset(tf, tl, eval_pipe))
+    test = split("test") if splits.has("test") else None
     mean, std = NAMED_STATS[cfg.normalize]
     if channels == 1:
         mean, std = (sum(mean) / 3,), (sum(std) / 3,)
@@ -378,7 +397,8 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory", disk=disk)
     return DataBundle("imagefolder", Split(dataset=train), val, test,
                       len(classes), channels, size, tuple(mean), tuple(std), classes,
-                      train_size=train_size if train_size != size else None)
+                      train_size=train_size if train_size != size else None,
+                      multilabel=splits.task == "multilabel")
 
 
 def output_sizes(cfg, first: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
