@@ -3,10 +3,12 @@ with its own sigmoid.
 
 - ``average_precision``: scikit-learn's ``average_precision_score`` (``sklearn/metrics/_ranking.py``, 1.9.1:
   ``-np.sum(np.diff(recall) * np.array(precision)[:-1])`` over ``precision_recall_curve``, whose thresholds are the
-  distinct scores, ties taken together), per tag; ``map`` is their mean over the tags that have a positive image,
-  as torchmetrics' ``MultilabelAveragePrecision(average="macro")`` leaves out a tag without one (its AP is
-  undefined; scikit-learn warns and counts it), and ``map_micro`` the AP of every (image, tag) pair at once
-  (scikit-learn's ``average="micro"``).
+  distinct scores, ties taken together), per tag (None in ``ap`` for a tag with no positive image: undefined);
+  ``map`` is their mean over every tag, a tag with no positive counted 0, as both references count it
+  (scikit-learn's ``average="macro"`` warns and scores it 0; torchmetrics 1.9.0's ``MultilabelAveragePrecision``
+  sets its recall to one, so its AP is 0, ``functional/classification/average_precision.py``
+  ``_reduce_average_precision`` l. 55-65: the nan it skips never arises on this path), and ``map_micro`` the AP of
+  every (image, tag) pair at once (scikit-learn's ``average="micro"``).
 - At a threshold: precision, recall and F1 per tag and over every pair (``*_micro``), and F1's mean over the tags
   (``f1_macro``; a tag neither present nor predicted counts 0, as scikit-learn's ``zero_division=0`` and
   torchmetrics' ``MultilabelF1Score`` count it). The
@@ -102,11 +104,10 @@ class MultiLabelAccumulator:
         targets = _gathered(torch.cat(self.targets) if self.targets else torch.zeros(0, self.c), self.device, group)
         loss, count = sums.tolist()
         ap = average_precision(scores, targets)
-        seen = ~ap.isnan()
         threshold = self.threshold if self.threshold is not None else best_threshold(scores, targets)
         micro = average_precision(scores.reshape(-1, 1), targets.reshape(-1, 1))[0].item()
         return {"loss": loss / max(count, 1), "accuracy": None, "top5": None, "count": int(count),
-                "map": ap[seen].mean().item() if seen.any() else 0.0, "map_micro": 0.0 if math.isnan(micro) else micro,
+                "map": ap.nan_to_num(0.0).mean().item() if len(ap) else 0.0, "map_micro": 0.0 if math.isnan(micro) else micro,
                 "threshold": threshold, "ap": [None if math.isnan(v) else v for v in ap.tolist()],
                 **at_threshold(scores, targets, threshold)}
 
