@@ -2,6 +2,7 @@
 uninterrupted one would (fp32, one thread, synthetic data, a constant rate: the same steps bit for bit)."""
 import json
 
+import pytest
 import torch
 
 from conftest import run_cli, run_cli_many, sets
@@ -105,3 +106,18 @@ def test_not_learning_stops_a_resumed_run_where_it_stops_an_uninterrupted_one(tm
     r = run_cli("train", "mnist", *S, *stuck, "--device", "cpu", "--run-dir", str(parts), "--resume", "auto")
     assert "resumed from" in (parts / "train.log").read_text()
     assert r.returncode == 1 and "not learning: for 3 log windows up to step 12" in r.stderr, r.stderr
+
+
+@pytest.mark.fast
+def test_a_strangers_temperature_or_threshold_in_a_checkpoint_is_one_sentence():
+    """The numbers eval and predict read from a checkpoint's meta: defaults where none is kept, kept ones as they
+    are, and a value no run writes (a string, a bool, nan, out of range) one CheckpointError naming the file."""
+    from brickyard.errors import CheckpointError
+    from brickyard.training import checkpoint
+    assert checkpoint.temperature({}, "c.pt") == 1.0 and checkpoint.threshold({"meta": None}, "c.pt") == 0.5
+    assert checkpoint.temperature({"meta": {"temperature": 2}}, "c.pt") == 2.0
+    assert checkpoint.threshold({"meta": {"threshold": 0.35}}, "c.pt") == 0.35
+    for key, bad in (("temperature", 0), ("temperature", float("nan")), ("temperature", "1.5"), ("temperature", True),
+                     ("threshold", 1.0), ("threshold", float("inf")), ("threshold", [0.5])):
+        with pytest.raises(CheckpointError, match=rf"checkpoint c.pt: its {key} .* is not a"):
+            getattr(checkpoint, key)({"meta": {key: bad}}, "c.pt")

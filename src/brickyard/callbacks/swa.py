@@ -23,16 +23,14 @@ ends with the same weights as one that never stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch.optim.swa_utils import get_swa_multi_avg_fn
 
+from brickyard.callbacks import averaging
 from brickyard.callbacks.base import Callback
-from brickyard.distributed.fsdp import full, like
-from brickyard.errors import CheckpointError, ConfigError
-from brickyard.optim.optimizers import by_type
+from brickyard.errors import ConfigError
 
 _average = get_swa_multi_avg_fn()
 
@@ -80,18 +78,10 @@ class SWA(Callback):
         self.live = params + list(run.model.buffers())
         self.buffers_from = len(params)
         if self.avg is not None:  # resumed: the average the checkpoint kept, laid out as this run's weights
-            if len(self.avg) != len(self.live) or any(tuple(a.shape) != tuple(w.shape) for a, w in zip(self.avg, self.live)):
-                raise CheckpointError("SWA: the averaged weights saved in the checkpoint do not fit this model.")
-            self.avg = [like(a, w) for a, w in zip(self.avg, self.live)]
-            self._pair()
+            self.avg = averaging.laid_out(self.avg, self.live, "SWA")
+            self.floats, self.counters = averaging.paired(self.avg, self.live)
             run.use_eval_weights(self.applied)
             self._set_lr(run)
-
-    def _pair(self) -> None:
-        assert self.avg is not None
-        pairs = list(zip(self.avg, self.live))
-        self.floats = by_type([p for p in pairs if p[0].is_floating_point()], key=lambda aw: aw[0])
-        self.counters = [p for p in pairs if not p[0].is_floating_point()]  # num_batches_tracked: the latest
 
     def on_step_end(self, run, loss):
         n = run.step
@@ -109,7 +99,7 @@ class SWA(Callback):
         with torch.no_grad():
             if self.count == 0:
                 self.avg = [w.detach().clone() for w in self.live]
-                self._pair()
+                self.floats, self.counters = averaging.paired(self.avg, self.live)
             else:
                 for pairs in self.floats:
                     _average([a for a, _ in pairs], [w for _, w in pairs], self.count)
@@ -154,23 +144,12 @@ class SWA(Callback):
 
     def _swap_in(self) -> None:
         assert self.avg is not None
-        for w, a in zip(self.live, self.avg):
-            w.copy_(a)
-        for w, f in zip(self.live[self.buffers_from:], self.fresh or ()):
-            w.copy_(f)
+        averaging.copy(self.live, self.avg)
+        averaging.copy(self.live[self.buffers_from:], self.fresh or ())
 
-    @contextlib.contextmanager
     def applied(self):
         """Swap the average in (for an evaluation or a save) and the raw weights back after."""
-        raw = [w.detach().clone() for w in self.live]
-        with torch.no_grad():
-            self._swap_in()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for w, r in zip(self.live, raw):
-                    w.copy_(r)
+        return averaging.swapped(self.live, self._swap_in)
 
     def summary(self, run) -> dict:
         return {"swa_averages": self.count}
@@ -178,17 +157,16 @@ class SWA(Callback):
     def state_dict(self):
         if self.avg is None:
             return {}
-        return {"avg": [full(a) for a in self.avg], "count": self.count, "from_lr": self.from_lr}
+        return {"avg": averaging.saved(self.avg), "count": self.count, "from_lr": self.from_lr}
 
     def load_state_dict(self, state):
-        avg = state.get("avg")
+        avg = averaging.loaded(state, "SWA")
         if avg is None:
             return
         count, from_lr = state.get("count"), state.get("from_lr")
-        if not (isinstance(avg, (list, tuple)) and all(isinstance(a, torch.Tensor) for a in avg)
-                and isinstance(count, int) and count >= 1 and (from_lr is None or _number(from_lr))):
+        if not (isinstance(count, int) and count >= 1 and (from_lr is None or _number(from_lr))):
             raise ValueError(f"SWA: {str(state)[:120]} is not its state")
-        self.avg, self.count, self.from_lr = list(avg), count, from_lr
+        self.avg, self.count, self.from_lr = avg, count, from_lr
 
 
 def _number(v) -> bool:

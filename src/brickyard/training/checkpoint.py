@@ -216,20 +216,21 @@ def load_model(path) -> tuple[torch.nn.Module, dict, Config]:
     return model, state, cfg
 
 
-def temperature(state: dict, path) -> float:
-    """The temperature ``train.calibrate`` kept in a checkpoint's ``meta`` (1: none kept), checked: a stranger's value
-    that is not a positive finite number is one sentence."""
+def _meta_number(state: dict, path, key: str, default: float, ok, what: str) -> float:
+    """``meta[key]`` of a checkpoint (``default`` where none is kept), checked: a stranger's value that is not a
+    number ``ok`` takes is one sentence."""
     meta = state.get("meta")
-    t = meta.get("temperature", 1.0) if isinstance(meta, dict) else 1.0
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise CheckpointError(f"checkpoint {path}: its temperature {str(t)[:40]} is not a positive number.")
-    return float(t)
+    v = meta.get(key, default) if isinstance(meta, dict) else default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+        raise CheckpointError(f"checkpoint {path}: its {key} {str(v)[:40]} is not {what}.")
+    return float(v)
+
+
+def temperature(state: dict, path) -> float:
+    """The temperature ``train.calibrate`` kept in a checkpoint's ``meta`` (1: none kept), checked."""
+    return _meta_number(state, path, "temperature", 1.0, lambda t: t > 0, "a positive number")
 
 
 def threshold(state: dict, path) -> float:
     """The threshold several labels an image are scored at, kept in a checkpoint's ``meta`` (0.5: none kept), checked."""
-    meta = state.get("meta")
-    t = meta.get("threshold", 0.5) if isinstance(meta, dict) else 0.5
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
-        raise CheckpointError(f"checkpoint {path}: its threshold {str(t)[:40]} is not a number between 0 and 1.")
-    return float(t)
+    return _meta_number(state, path, "threshold", 0.5, lambda t: 0 < t < 1, "a number between 0 and 1")
