@@ -263,7 +263,15 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     if ft.init_from or ft.reset_head or ft.freeze:
         with Logger(dist_env.from_env().rank) as log:
             prepare(model, ft, cfg.model.num_classes or data.num_classes, log)
-    return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir)
+    return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir, callbacks=_trial_report())
+
+
+def _trial_report() -> list:
+    """A sweep trial's ``Report`` where this run is one (``brickyard sweep`` sets ``BRICKYARD_TRIAL``)."""
+    if not os.environ.get("BRICKYARD_TRIAL"):
+        return []
+    from brickyard.sweep.trial import from_env  # only a sweep's trials load it (and, through it, Optuna)
+    return from_env()
 
 
 def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:

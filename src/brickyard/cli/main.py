@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from brickyard.cli import bench, boost, data, export, inspect, lrfind, memory, models, plot, predict, presets, train
+from brickyard.cli import bench, boost, data, export, inspect, lrfind, memory, models, plot, predict, presets, sweep, train
 from brickyard.cli import eval as eval_cmd
 from brickyard.cli import run as run_cmd
 from brickyard.distributed import env as dist
@@ -28,9 +28,9 @@ from brickyard.files import os_error
 
 # the order `brickyard --help` lists them in; command name -> module of this package
 MODULES = {"train": "train", "eval": "eval", "data": "data", "plot": "plot", "inspect": "inspect", "predict": "predict",
-           "export": "export", "bench": "bench", "lr-find": "lrfind", "memory": "memory", "boost": "boost", "run": "run",
+           "export": "export", "bench": "bench", "lr-find": "lrfind", "sweep": "sweep", "memory": "memory", "boost": "boost", "run": "run",
            "models": "models", "presets": "presets"}
-_ADDERS = (train, eval_cmd, data, plot, inspect, predict, export, bench, lrfind, memory, boost, run_cmd, models, presets)
+_ADDERS = (train, eval_cmd, data, plot, inspect, predict, export, bench, lrfind, sweep, memory, boost, run_cmd, models, presets)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -335,3 +335,39 @@ def _misclassified(source: Path, path: Path) -> Path:
         d.text((x + tw / 2, y + label / 2), f"{name(true[k])}>{name(pred[k])}", fill="red", font=small, anchor="mm")
     write_atomic(path, lambda f: img.save(f, format="PNG"))
     return path
+
+
+def sweep_trials(trials: list[tuple[int, float, str]], metric: str, path: Path, lower_better: bool) -> Path:
+    """``brickyard sweep``'s sweep.png: each finished trial's value by its number (complete: circles; pruned: squares,
+    at their last reported value) and the best so far (a line)."""
+    img = Image.new("RGB", (720, 360), "white")
+    d = ImageDraw.Draw(img)
+    ax = _Axes(d, (70, 28, 690, 300), "trial", metric, legend_low=not lower_better)
+    done = [(n, v) for n, v, s in trials if s == "complete"]
+    best, running = [], None
+    for n, v in done:
+        running = v if running is None else (min if lower_better else max)(running, v)
+        best.append((n, running))
+    ax.plot([n for n, _ in best], [v for _, v in best], COLORS[0], "train", "best so far")
+    ax.plot([n for n, _ in done], [v for _, v in done], COLORS[1], "val", "complete")
+    pruned = [(n, v) for n, v, s in trials if s == "pruned"]
+    ax.plot([n for n, _ in pruned], [v for _, v in pruned], COLORS[3], "test", "pruned")
+    ax.render(_font(13), _font(11))
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
+    return path
+
+
+def importance_bars(importance: dict[str, float], path: Path) -> Path:
+    """``brickyard sweep``'s importance.png: each parameter's share of the metric's variance, a bar each."""
+    rows = sorted(importance.items(), key=lambda kv: -kv[1])
+    img = Image.new("RGB", (720, 60 + 28 * len(rows)), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _font(13), _font(11)
+    d.text((10, 10), "parameter importance (share of the metric's variance)", fill="black", font=font)
+    for i, (key, v) in enumerate(rows):
+        y = 40 + 28 * i
+        d.text((250, y + 9), key, fill="black", font=small, anchor="rm")
+        d.rectangle([260, y, 260 + max(1, round(380 * v)), y + 18], fill=COLORS[0])
+        d.text((266 + round(380 * v), y + 9), f"{v:.2f}", fill="black", font=small, anchor="lm")
+    write_atomic(path, lambda f: img.save(f, format="PNG"))
+    return path

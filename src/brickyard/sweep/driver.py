@@ -1,0 +1,158 @@
+"""The sweep's loop: Optuna's ask and tell around ordinary runs, until the study holds ``trials`` finished trials.
+
+Each trial asks the study for its values (the sampler decides), trains ``SWEEP_DIR/trial-NNNN`` (with ``--folds K``:
+``trial-NNNN/fold-I`` for each fold, its value the folds' mean), and tells the study what came of it: complete with
+its value, pruned, or failed with its one sentence (the sweep goes on). Several sweep processes on one storage share
+the count: a process stops when the study's complete, pruned and running trials reach ``trials``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brickyard.errors import BrickyardError, ConfigError
+from brickyard.files import write_atomic
+from brickyard.sweep.space import Param, override
+from brickyard.sweep.study import counts, fail_stale, optuna_module
+from brickyard.sweep.trial import PRUNED, best_value, reporting, summary_of
+
+PLACEMENT = ("train.threads", "train.device", "data.num_workers")  # where a process trains, not what: may differ
+
+
+@dataclass
+class Sweep:
+    """What a sweep process was asked for (the command line, checked)."""
+    config: str
+    overrides: list[str]
+    params: list[Param]
+    metric: str
+    trials: int
+    dir: Path
+    storage: str                  # a database URL or the journal file's path
+    name: str
+    folds: int = 0
+    devices: str | None = None
+    said: list[str] = field(default_factory=list)
+
+    def settings(self) -> dict:
+        """What the study keeps of it: a process joining the study must have asked for the same."""
+        kept = [o for o in self.overrides if o.partition("=")[0] not in PLACEMENT]
+        return {"config": self.config, "overrides": kept, "metric": self.metric, "folds": self.folds,
+                "space": [[p.key, p.kind, list(p.values), p.step, p.log] for p in self.params]}
+
+
+def run(sweep: Sweep, study) -> None:
+    """Trials until the study holds ``sweep.trials`` finished ones (or as many have failed in this process)."""
+    optuna = optuna_module()
+    stale = fail_stale(study)
+    if stale:
+        print(f"sweep {sweep.name}: {stale} trial(s) of a sweep process that ended were marked failed and queued again",
+              flush=True)
+    failed = 0
+    while True:
+        c = counts(study)
+        done = c.get("complete", 0) + c.get("pruned", 0)
+        grid = isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study)
+        if done + c.get("running", 0) >= sweep.trials or grid or failed >= sweep.trials:
+            if failed >= sweep.trials:
+                print(f"sweep {sweep.name}: stopping after {failed} failed trials in this process", flush=True)
+            return
+        trial = study.ask()
+        state, value, why = one(sweep, study, trial)
+        failed += state == "fail"
+        if state == "complete":
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL)
+        shown = f"{sweep.metric} {value:.4f}" if value is not None else why or state
+        print(f"trial {trial.number}: {state}, {shown} ({trial.user_attrs.get('run_dir')})", flush=True)
+
+
+def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
+    """Train one trial: ``(state, value, why)``; a failure's sentence is kept in the trial's ``error`` attribute.
+    Ctrl-C marks the trial failed, queues its values again and goes on up."""
+    optuna = optuna_module()
+    run_dir = sweep.dir / f"trial-{trial.number:04d}"
+    trial.set_user_attr("host", socket.gethostname())
+    trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("run_dir", str(run_dir))
+    values = {p.key: p.suggest(trial) for p in sweep.params}
+    overrides = [*sweep.overrides, *(override(k, v) for k, v in values.items()), f"checkpoint.monitor={sweep.metric}"]
+    try:
+        return _train(sweep, trial, run_dir, overrides)
+    except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted (Ctrl-C)")
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(trial.params, skip_if_exists=False)
+        raise
+    except BrickyardError as e:
+        trial.set_user_attr("error", str(e))
+        return "fail", None, str(e)
+    except Exception as e:  # noqa: BLE001  a crash fails this trial, said in a line; the traceback stays beside it
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "sweep-error.txt", traceback.format_exc())
+        why = f"{type(e).__name__}: {str(e)[:300]} (traceback in {run_dir / 'sweep-error.txt'})"
+        trial.set_user_attr("error", why)
+        return "fail", None, why
+
+
+def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[str, float | None, str | None]:
+    scores = []
+    folds = range(sweep.folds) if sweep.folds else [None]
+    for fold in folds:
+        where = run_dir if fold is None else run_dir / f"fold-{fold}"
+        extra = [] if fold is None else [f"data.folds={sweep.folds}", f"data.fold={fold}"]
+        # with folds the pruner has no one curve to compare: each fold's run is whole
+        report = reporting(sweep.storage, sweep.name, trial._trial_id, sweep.metric) if fold is None else None
+        if report is not None:
+            with report:
+                train_run(sweep, [*overrides, *extra], where)
+        else:
+            train_run(sweep, [*overrides, *extra], where)
+        if str(summary_of(where).get("stopped") or "").startswith(PRUNED):
+            return "pruned", None, None
+        value = best_value(where, sweep.metric)
+        if value is None:
+            raise BrickyardError(f"the run in {where} wrote no {sweep.metric} (no validation ran)")
+        scores.append(value)
+    if sweep.folds:
+        trial.set_user_attr("folds", scores)
+        trial.set_user_attr("spread", statistics.pstdev(scores))
+    return "complete", sum(scores) / len(scores), None
+
+
+def train_run(sweep: Sweep, overrides: list[str], run_dir: Path) -> None:
+    """One run of a trial, as ``brickyard train CONFIG --set ... --run-dir RUN_DIR [--devices ...]`` runs it: in this
+    process, or under torchrun for several processes."""
+    from brickyard.config import load_config
+    cfg = load_config(sweep.config, overrides)
+    if sweep.devices:
+        from brickyard.launch import torchrun as launch
+        args = argparse.Namespace(config=sweep.config, overrides=overrides, devices=sweep.devices, run_dir=str(run_dir),
+                                  resume=None, log_dir=None, max_restarts=0, nnodes="1", node_rank=None, master=None)
+        code = launch.launch(args, cfg)
+        if code:
+            raise BrickyardError(f"its run exited with status {code}")
+        return
+    from brickyard import api  # the training engine, in this process
+    api.train_config(cfg, run_dir)
+
+
+def check(sweep: Sweep) -> None:
+    """What makes every trial fail, as one sentence before the first: no validation to score, a metric the run's
+    task does not score (where the config says the task)."""
+    from brickyard.config import load_config
+    from brickyard.training.resolve import MULTI_ONLY, SINGLE_ONLY
+    cfg = load_config(sweep.config, [*sweep.overrides, f"checkpoint.monitor={sweep.metric}"])
+    if cfg.data.train_on_all and not sweep.folds:
+        raise ConfigError(f"--metric {sweep.metric}: this config trains on all its data (data.train_on_all) and keeps "
+                          f"no validation to score a trial on; drop it, or use --folds K.")
+    task = cfg.data.task if cfg.data.task != "auto" else ("multilabel" if cfg.data.name.endswith("-mosaic") else None)
+    if task and sweep.metric in (SINGLE_ONLY if task == "multilabel" else MULTI_ONLY):
+        raise ConfigError(f"--metric {sweep.metric} is not scored for {'several labels' if task == 'multilabel' else 'one label'} "
+                          f"an image; use {'val_map' if task == 'multilabel' else 'val_accuracy'} or val_loss.")

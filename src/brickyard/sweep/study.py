@@ -1,0 +1,136 @@
+"""A sweep's Optuna study: its storage, sampler and pruner, the settings it was started with, and its trials' states.
+
+Storage: by default Optuna's ``JournalStorage`` on a file in the sweep's directory (``study.journal``; an
+append-only log under a file lock, which Optuna recommends for several processes on one machine); or any database
+URL Optuna takes (``postgresql://...``, ``mysql://...``, ``sqlite:///...``), where several machines share one sweep,
+each started with the same command, and Optuna's heartbeat marks a dead machine's trial failed.
+
+The study keeps what it was started with (config, overrides, space, metric, folds) and a command that differs is
+one sentence: two sweeps never write into one study. A trial whose process is gone (a sweep killed with SIGKILL on
+this machine) is marked failed when a sweep next opens the study, and its values are queued again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+from brickyard.errors import BrickyardError, ConfigError
+
+JOURNAL = "study.journal"
+
+
+def optuna_module():
+    """Optuna, quiet (brickyard says what a sweep does); one sentence where it is not installed."""
+    try:
+        import optuna  # an optional extra: brickyard train never imports it
+    except ImportError:
+        raise BrickyardError("brickyard sweep runs on Optuna, which is not installed: pip install 'brickyard[sweep]' "
+                             "(or pip install optuna).") from None
+    optuna.logging.set_verbosity(logging.WARNING)
+    return optuna
+
+
+def open_storage(spec: str):
+    """The storage of ``spec``: a database URL, or the path of a journal file; one sentence where it cannot be used."""
+    optuna = optuna_module()
+    if "://" not in spec:
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+        return optuna.storages.JournalStorage(JournalFileBackend(spec, lock_obj=JournalFileOpenLock(spec)))
+    shown = _redacted(spec)
+    try:
+        return optuna.storages.RDBStorage(spec, heartbeat_interval=30, grace_period=90,
+                                          engine_kwargs={"pool_pre_ping": True})
+    except ModuleNotFoundError as e:
+        raise BrickyardError(f"--storage {shown}: its database driver {e.name!r} is not installed (pip install "
+                             f"{'psycopg2-binary' if 'psycopg' in str(e.name) else e.name}).") from None
+    except Exception as e:  # noqa: BLE001  SQLAlchemy's errors (unreachable, refused, a bad URL), said in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BrickyardError(f"--storage {shown} cannot be used ({first[:200]}).") from None
+
+
+def _redacted(url: str) -> str:
+    """A URL without its password."""
+    scheme, _, rest = url.partition("://")
+    cred, at, host = rest.rpartition("@")
+    return f"{scheme}://{cred.split(':')[0] + ':***' if ':' in cred else cred}{at}{host}" if at else url
+
+
+def sampler_of(name: str, params, seed: int | None):
+    optuna = optuna_module()
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.GridSampler({p.key: p.grid() for p in params}, seed=seed)
+
+
+def pruner_of(name: str, startup: int):
+    optuna = optuna_module()
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=startup)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner()
+    return optuna.pruners.NopPruner()
+
+
+def open_study(name: str, storage, settings: dict, sampler, pruner, resume: bool):
+    """The study ``name`` in ``storage``: made with ``settings`` (kept in its user attributes), or joined where it
+    exists with the same settings; other settings, or ``resume`` of a study that does not exist, are one sentence."""
+    optuna = optuna_module()
+    exists = name in [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
+    if resume and not exists:
+        raise ConfigError(f"--resume: there is no sweep {name!r} in this storage to continue; drop --resume to start it.")
+    direction = "minimize" if settings["metric"].endswith("loss") else "maximize"
+    study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
+                                direction=direction, load_if_exists=True)
+    kept = study.user_attrs.get("settings")
+    if kept is None:
+        study.set_user_attr("settings", settings)
+    elif kept != settings:
+        differ = sorted(k for k in set(kept) | set(settings) if kept.get(k) != settings.get(k))
+        raise ConfigError(f"sweep {name!r} was started with another {', '.join(differ)}; continue it with the same "
+                          f"command, or start a new sweep in another --dir.")
+    return study
+
+
+def fail_stale(study) -> int:
+    """Mark failed the running trials of this machine whose process is gone, queue their values again; how many."""
+    optuna = optuna_module()
+    stale = 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
+        if host != socket.gethostname() or not isinstance(pid, int) or _alive(pid):
+            continue
+        optuna.trial.Trial(study, t._trial_id).set_user_attr("error", "its sweep process ended before it finished")
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, skip_if_exists=False)
+        stale += 1
+    try:  # a database's heartbeat: trials of machines that stopped beating
+        optuna.storages.fail_stale_trials(study)
+    except Exception:  # noqa: BLE001  storages without a heartbeat (the journal) have nothing to fail
+        pass
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def counts(study) -> dict:
+    """Trials by state name (complete, pruned, fail, running, waiting)."""
+    out: dict = {}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state.name.lower()] = out.get(t.state.name.lower(), 0) + 1
+    return out
+
+
+def storage_spec(sweep_dir: Path, url: str | None) -> str:
+    return url or str((sweep_dir / JOURNAL).resolve())
