@@ -17,6 +17,7 @@ from brickyard import models
 from brickyard.config import Config, build, load_config
 from brickyard.data import DataBundle, build_data, from_loaders, from_user
 from brickyard.data.augment import DevicePrep, float_dtype
+from brickyard.data.folds import folded
 from brickyard.distributed import env as dist_env
 from brickyard.errors import ConfigError, DataError
 from brickyard.models import pretrained
@@ -101,6 +102,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
                      transforms=cfg.data)
     data.notes[:0] = loader_notes
+    if cfg.data.folds:  # k-fold cross-validation over the tensors given for training and validation
+        data = folded(data, cfg.data.folds, cfg.data.fold)
     if class_weight is not None:
         cfg = cfg.replace(**{"optim.class_weights": _class_weights(class_weight, data.num_classes)})
     _prepare(model, cfg, data)

@@ -64,6 +64,8 @@ class DataConfig(Section):
     channels: int = _opt(0, choices=(0, 1, 3), doc="imagefolder channels: 1 (grey) or 3 (colour); 0 = from the first training image")
     val_fraction: float = _opt(0.0, min=0.0, max=0.9, doc="hold out this fraction of the training images, drawn at random (seed 0), for validation: an image folder without val/, or fit's tensors without val_data (Keras's validation_split, which takes the last ones)")
     skip_bad_images: bool = _opt(False, doc="imagefolder: skip unreadable files with a warning instead of failing")
+    folds: int = _opt(0, min=0, doc="k-fold cross-validation: the training and validation images together, cut into this many folds (stratified by class, seeded: the same on every run and any number of processes); data.fold is the validation split, the others train; 0 = the data set's own split (brickyard sweep --folds K runs each fold)")
+    fold: int = _opt(0, min=0, doc="with data.folds: which fold (0..folds-1) validates")
     cache: str = _opt("none", choices=("none", "memory", "disk"), doc="imagefolder: memory keeps the deterministic part of each training image in shared memory after the first epoch; disk decodes every training image once into a uint8 file beside the data (ROOT/.brickyard-cache), memory-mapped by every later run and epoch")
 
     def check(self) -> None:
@@ -74,6 +76,12 @@ class DataConfig(Section):
             if specs != ("auto",):
                 for spec in specs:
                     check_transform(f"data.{key}", spec)
+        if self.folds == 1 or self.fold >= max(self.folds, 1):
+            raise ConfigError(f"data.folds {self.folds}, data.fold {self.fold}: cross-validation takes 2 folds or more and "
+                              f"a fold from 0 to folds - 1." if self.folds else
+                              f"data.fold {self.fold} picks one of data.folds, which is 0 (no cross-validation).")
+        if self.folds and (self.val_fraction or self.train_on_all):
+            raise ConfigError(f"data.folds cuts the validation split itself; drop data.{'val_fraction' if self.val_fraction else 'train_on_all'}.")
         if self.train_on_all and self.val_fraction:
             raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
                               f"({self.val_fraction}); set one of them.")

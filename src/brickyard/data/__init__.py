@@ -24,6 +24,7 @@ from brickyard.data.adapters import (
 )
 from brickyard.data.adapters.arrays import input_dtypes as _input_dtypes  # noqa: F401  tools/predict.py reads as fit does
 from brickyard.data.bundle import DataBundle, Draw, Split
+from brickyard.data.folds import folded
 from brickyard.data.imagefolder import imagefolder_bundle
 from brickyard.data.synthetic import synthetic_bundle
 from brickyard.errors import DataError
@@ -36,7 +37,10 @@ MNIST_STATS = {"mnist": ((0.1307,), (0.3081,)), "fashion-mnist": ((0.2860,), (0.
 
 def build_data(cfg) -> DataBundle:
     """Load the data set named by ``cfg`` (a ``DataConfig``)."""
-    return _subset(_build(cfg), cfg)
+    bundle = _subset(_build(cfg), cfg)
+    if cfg.folds and cfg.name != "imagefolder":  # an image folder cuts its file lists (imagefolder_bundle)
+        bundle = folded(bundle, cfg.folds, cfg.fold)
+    return bundle
 
 
 def _build(cfg) -> DataBundle:

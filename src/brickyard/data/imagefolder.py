@@ -383,7 +383,9 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
             skipped.extend(more)
         return Split(dataset=ImageFolderDataset(f, l, eval_pipe))
     val = None
-    if splits.has("val") and not cfg.train_on_all:
+    if cfg.folds:  # the training and validation images pooled, one fold validates (data.folds)
+        files, labels, val = _fold(files, labels, split("val") if splits.has("val") else None, cfg, eval_pipe)
+    elif splits.has("val") and not cfg.train_on_all:
         val = split("val")
     elif cfg.val_fraction > 0:
         vidx, tidx = held_out(len(files), cfg.val_fraction)
@@ -399,6 +401,17 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
                       len(classes), channels, size, tuple(mean), tuple(std), classes,
                       train_size=train_size if train_size != size else None,
                       multilabel=splits.task == "multilabel")
+
+
+def _fold(files, labels, val: Split | None, cfg, eval_pipe) -> tuple[list, list, Split]:
+    """``data.folds`` of an image folder: its training and validation files pooled and cut (``data.folds``)."""
+    from brickyard.data.folds import fold_indices  # cross-validation runs only
+    if val is not None and isinstance(val.dataset, ImageFolderDataset):
+        files, labels = files + val.dataset.files, labels + val.dataset.labels
+    single = all(isinstance(v, int) for v in labels)
+    train, held = fold_indices(len(files), cfg.folds, cfg.fold, torch.tensor(labels) if single else None)
+    pick = lambda idx, seq: [seq[i] for i in idx.tolist()]  # noqa: E731
+    return pick(train, files), pick(train, labels), Split(dataset=ImageFolderDataset(pick(held, files), pick(held, labels), eval_pipe))
 
 
 def output_sizes(cfg, first: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -33,13 +33,14 @@ def table(study, metric: str) -> str:
     """The trials as aligned text, the best marked."""
     keys = sorted({k for t in study.get_trials(deepcopy=False) for k in t.params})
     best = _best(study)
-    lines = [" ".join([f"{'trial':>5}", f"{'state':<9}", f"{metric:>12}", *(f"{k:>16}" for k in keys), "  seconds"])]
+    lines = [" ".join([f"{'trial':>5}", f"{'state':<9}", f"{metric:>20}", *(f"{k:>16}" for k in keys), "  seconds"])]
     for r in rows(study):
         v = f"{r['value']:.4f}" if isinstance(r["value"], float) else "-"
+        v += f" ±{r['spread']:.4f}" if isinstance(r["spread"], float) else ""  # the folds' standard deviation
         cells = [f"{_short(r.get(k)):>16}" for k in keys]
         secs = f"{r['seconds']:9.1f}" if r["seconds"] is not None else f"{'-':>9}"
         mark = " *" if best is not None and r["trial"] == best.number else ""
-        lines.append(" ".join([f"{r['trial']:>5}", f"{r['state']:<9}", f"{v:>12}", *cells, secs]) + mark
+        lines.append(" ".join([f"{r['trial']:>5}", f"{r['state']:<9}", f"{v:>20}", *cells, secs]) + mark
                      + (f"  ({r['error']})" if r["error"] else ""))
     return "\n".join(lines)
 
