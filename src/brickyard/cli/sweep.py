@@ -63,10 +63,13 @@ def run(args) -> int:
     storage = study.open_storage(sweep.storage)
     s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, args.seed),
                          study.pruner_of(args.pruner, args.prune_startup), args.resume)
+    said = driver.baseline(sweep, s) if not args.resume else ""
     c = study.counts(s)
     print(f"sweep {sweep.name}: {sweep.trials} trials of {sweep.config}, {sweep.metric} "
           f"({'lowest' if sweep.metric.endswith('loss') else 'highest'} best), {args.sampler} sampler, {args.pruner} "
           f"pruner; {c.get('complete', 0) + c.get('pruned', 0)} finished already; in {sweep.dir}", flush=True)
+    if said:
+        print(f"sweep {sweep.name}: {said}", flush=True)
     try:
         driver.run(sweep, s)
     except KeyboardInterrupt:
@@ -102,7 +105,8 @@ def _checked(args, space, study, driver):
     if args.storage is None:
         where.mkdir(parents=True, exist_ok=True)
     sweep = driver.Sweep(config, list(args.overrides), params, metric, args.trials, where,
-                         study.storage_spec(where, args.storage), where.resolve().name, args.folds, args.devices)
+                         study.storage_spec(where, args.storage), where.resolve().name, args.folds, args.devices,
+                         (args.pruner, args.prune_startup))
     driver.check(sweep)
     if args.sampler == "grid":
         [p.grid() for p in params]  # a continuous range has no grid: one sentence now
@@ -140,6 +144,9 @@ def _side_by_side(args, sweep, study, answer) -> int:
     its own seed; this one waits for them and writes the answer."""
     storage = study.open_storage(sweep.storage)
     s = study.open_study(sweep.name, storage, sweep.settings(), None, None, args.resume)
+    said = driver.baseline(sweep, s) if not args.resume else ""
+    if said:
+        print(f"sweep {sweep.name}: {said}", flush=True)
     common = ["sweep", sweep.config, "--space", args.space, "--trials", str(sweep.trials), "--metric", sweep.metric,
               "--sampler", args.sampler, "--pruner", args.pruner, "--prune-startup", str(args.prune_startup),
               "--dir", str(sweep.dir), "--folds", str(sweep.folds),

@@ -80,8 +80,8 @@ class DataConfig(Section):
             raise ConfigError(f"data.folds {self.folds}, data.fold {self.fold}: cross-validation takes 2 folds or more and "
                               f"a fold from 0 to folds - 1." if self.folds else
                               f"data.fold {self.fold} picks one of data.folds, which is 0 (no cross-validation).")
-        if self.folds and (self.val_fraction or self.train_on_all):
-            raise ConfigError(f"data.folds cuts the validation split itself; drop data.{'val_fraction' if self.val_fraction else 'train_on_all'}.")
+        if self.folds and self.val_fraction:
+            raise ConfigError("data.folds cuts the validation split itself; drop data.val_fraction.")
         if self.train_on_all and self.val_fraction:
             raise ConfigError(f"data.train_on_all trains on every training image, so nothing is left for data.val_fraction "
                               f"({self.val_fraction}); set one of them.")

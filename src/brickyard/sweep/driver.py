@@ -21,6 +21,7 @@ from brickyard.sweep.space import Param, override
 from brickyard.sweep.study import counts, fail_stale, optuna_module
 from brickyard.sweep.trial import PRUNED, best_value, reporting, summary_of
 
+SINGLE_SETS = ("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic")  # one label an image, whatever the config
 PLACEMENT = ("train.threads", "train.device", "data.num_workers")  # where a process trains, not what: may differ
 
 
@@ -37,6 +38,7 @@ class Sweep:
     name: str
     folds: int = 0
     devices: str | None = None
+    pruner: tuple = ("median", 5)  # (name, startup trials)
     said: list[str] = field(default_factory=list)
 
     def settings(self) -> dict:
@@ -65,12 +67,43 @@ def run(sweep: Sweep, study) -> None:
         trial = study.ask()
         state, value, why = one(sweep, study, trial)
         failed += state == "fail"
+        if state == "fail" and trial.user_attrs.get("config_error") and not c.get("complete", 0):
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise ConfigError(f"trial {trial.number} (no trial has completed yet): {why}")  # every trial would
         if state == "complete":
             study.tell(trial, value)
         else:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL)
         shown = f"{sweep.metric} {value:.4f}" if value is not None else why or state
         print(f"trial {trial.number}: {state}, {shown} ({trial.user_attrs.get('run_dir')})", flush=True)
+
+
+def baseline(sweep: Sweep, study) -> str:
+    """A new study's first trial: the config's own values of the space's keys (the recipe a sweep has to beat), queued
+    where each lies in its range or choices; what was done, in words."""
+    from brickyard.config import load_config
+    if study.get_trials(deepcopy=False) or isinstance(study.sampler, optuna_module().samplers.GridSampler):
+        return ""  # a grid visits its own points (and the config's values where they are among them)
+    cfg = load_config(sweep.config, sweep.overrides)
+    own = {}
+    for p in sweep.params:
+        if p.kind == "fixed":
+            continue
+        section, _, key = p.key.rpartition(".")
+        v = getattr(_section(cfg, section), key)
+        inside = v in p.values if p.kind == "choice" else (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                          and p.values[0] <= v <= p.values[1])
+        if not inside:
+            return f"the config's own {p.key} ({v!r}) lies outside the space: no baseline trial"
+        own[p.key] = v
+    study.enqueue_trial(own)
+    return "trial 0 is the config's own values (the baseline): " + ", ".join(f"{k}={v}" for k, v in own.items())
+
+
+def _section(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
@@ -92,6 +125,7 @@ def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
         raise
     except BrickyardError as e:
         trial.set_user_attr("error", str(e))
+        trial.set_user_attr("config_error", isinstance(e, ConfigError))
         return "fail", None, str(e)
     except Exception as e:  # noqa: BLE001  a crash fails this trial, said in a line; the traceback stays beside it
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +142,7 @@ def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[st
         where = run_dir if fold is None else run_dir / f"fold-{fold}"
         extra = [] if fold is None else [f"data.folds={sweep.folds}", f"data.fold={fold}"]
         # with folds the pruner has no one curve to compare: each fold's run is whole
-        report = reporting(sweep.storage, sweep.name, trial._trial_id, sweep.metric) if fold is None else None
+        report = reporting(sweep.storage, sweep.name, trial._trial_id, sweep.metric, sweep.pruner) if fold is None else None
         if report is not None:
             with report:
                 train_run(sweep, [*overrides, *extra], where)
@@ -152,7 +186,8 @@ def check(sweep: Sweep) -> None:
     if cfg.data.train_on_all and not sweep.folds:
         raise ConfigError(f"--metric {sweep.metric}: this config trains on all its data (data.train_on_all) and keeps "
                           f"no validation to score a trial on; drop it, or use --folds K.")
-    task = cfg.data.task if cfg.data.task != "auto" else ("multilabel" if cfg.data.name.endswith("-mosaic") else None)
+    task = cfg.data.task if cfg.data.task != "auto" else ("multilabel" if cfg.data.name.endswith("-mosaic") else
+                                                          "single" if cfg.data.name in SINGLE_SETS else None)
     if task and sweep.metric in (SINGLE_ONLY if task == "multilabel" else MULTI_ONLY):
         raise ConfigError(f"--metric {sweep.metric} is not scored for {'several labels' if task == 'multilabel' else 'one label'} "
                           f"an image; use {'val_map' if task == 'multilabel' else 'val_accuracy'} or val_loss.")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from brickyard.errors import ConfigError
+from brickyard.errors import BrickyardError, ConfigError
 
 KINDS = ("log_uniform", "uniform", "int", "choice")
 
@@ -125,9 +125,12 @@ def check(params: list[Param], config: str, overrides: list[str]) -> None:
     """Every value a trial could draw, set on ``config`` one key at a time: one sentence naming the key where the
     config refuses it (an unknown key, a value out of its range or choices)."""
     from brickyard.config import load_config  # the config package imports torch-free modules only
+    from brickyard.models import check_name  # the registry: a model name the config cannot check itself
     for p in params:
         for v in p.edges():
             try:
-                load_config(config, [*overrides, override(p.key, v)])
-            except ConfigError as e:
+                cfg = load_config(config, [*overrides, override(p.key, v)])
+                if p.key == "model.name":
+                    check_name(cfg.model.name)
+            except BrickyardError as e:
                 raise ConfigError(f"--space {p.key}: {v!r} is not a value this config takes ({str(e).rstrip('.')}).") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from pathlib import Path
 
 from brickyard.errors import BrickyardError, ConfigError
@@ -40,14 +41,24 @@ def open_storage(spec: str):
         return optuna.storages.JournalStorage(JournalFileBackend(spec, lock_obj=JournalFileOpenLock(spec)))
     shown = _redacted(spec)
     try:
-        return optuna.storages.RDBStorage(spec, heartbeat_interval=30, grace_period=90,
-                                          engine_kwargs={"pool_pre_ping": True})
-    except ModuleNotFoundError as e:
-        raise BrickyardError(f"--storage {shown}: its database driver {e.name!r} is not installed (pip install "
-                             f"{'psycopg2-binary' if 'psycopg' in str(e.name) else e.name}).") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Optuna marks the heartbeat experimental
+            return optuna.storages.RDBStorage(spec, heartbeat_interval=30, grace_period=90,
+                                              engine_kwargs={"pool_pre_ping": True})
     except Exception as e:  # noqa: BLE001  SQLAlchemy's errors (unreachable, refused, a bad URL), said in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BrickyardError(f"--storage {shown} cannot be used ({first[:200]}).") from None
+        if isinstance(e, ImportError) or "Failed to import DB access module" in first:
+            driver = {"postgresql": "psycopg2-binary", "mysql": "PyMySQL"}.get(spec.partition(":")[0].split("+")[0], "its driver")
+            raise BrickyardError(f"--storage {shown}: the database driver for it is not installed (pip install "
+                                 f"{driver}).") from None
+        raise BrickyardError(f"--storage {shown} cannot be used ({_redacted_text(first, spec)[:200]}).") from None
+
+
+def _redacted_text(text: str, url: str) -> str:
+    """``text`` with the password of ``url`` left out (a driver's message may repeat the URL)."""
+    cred = url.partition("://")[2].rpartition("@")[0]
+    password = cred.partition(":")[2]
+    return text.replace(password, "***") if password else text
 
 
 def _redacted(url: str) -> str:
@@ -107,10 +118,12 @@ def fail_stale(study) -> int:
         study.tell(t.number, state=optuna.trial.TrialState.FAIL)
         study.enqueue_trial(t.params, skip_if_exists=False)
         stale += 1
-    try:  # a database's heartbeat: trials of machines that stopped beating
-        optuna.storages.fail_stale_trials(study)
-    except Exception:  # noqa: BLE001  storages without a heartbeat (the journal) have nothing to fail
-        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna marks it experimental
+        try:  # a database's heartbeat: trials of machines that stopped beating
+            optuna.storages.fail_stale_trials(study)
+        except Exception:  # noqa: BLE001  storages without a heartbeat (the journal) have nothing to fail
+            pass
     return stale
 
 

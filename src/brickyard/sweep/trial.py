@@ -27,16 +27,17 @@ class Report(Callback):
     """Tells the Optuna trial each validation's ``metric`` (at the step it was taken) and stops the run when the
     study's pruner says so. Rank 0 only; the stop reaches every rank through the run's stop vote."""
 
-    def __init__(self, storage: str, study: str, trial_id: int, metric: str):
+    def __init__(self, storage: str, study: str, trial_id: int, metric: str, pruner: tuple = ("median", 5)):
         self.where, self.study_name, self.trial_id, self.metric = storage, study, trial_id, metric
+        self.pruner = tuple(pruner)  # (name, startup trials): a pruner is the sweep process's, not the storage's
         self.trial = None
 
     def on_train_start(self, run):
         if run.rank != 0:
             return
-        from brickyard.sweep.study import open_storage, optuna_module  # only a sweep's runs load Optuna
+        from brickyard.sweep.study import open_storage, optuna_module, pruner_of  # only a sweep's runs load Optuna
         optuna = optuna_module()
-        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.where))
+        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.where), pruner=pruner_of(*self.pruner))
         self.trial = optuna.trial.Trial(study, self.trial_id)
 
     def on_validation_end(self, run, metrics):
@@ -55,13 +56,14 @@ def from_env() -> list:
     if not spec:
         return []
     s = json.loads(spec)
-    return [Report(s["storage"], s["study"], int(s["trial_id"]), s["metric"])]
+    return [Report(s["storage"], s["study"], int(s["trial_id"]), s["metric"], s["pruner"])]
 
 
 @contextlib.contextmanager
-def reporting(storage: str, study: str, trial_id: int, metric: str):
+def reporting(storage: str, study: str, trial_id: int, metric: str, pruner: tuple):
     """``BRICKYARD_TRIAL`` set for the runs of the ``with`` block (and the workers they start)."""
-    os.environ[ENV] = json.dumps({"storage": storage, "study": study, "trial_id": trial_id, "metric": metric})
+    os.environ[ENV] = json.dumps({"storage": storage, "study": study, "trial_id": trial_id, "metric": metric,
+                                  "pruner": list(pruner)})
     try:
         yield
     finally:

@@ -1,0 +1,158 @@
+"""Real sweeps: `brickyard sweep` processes train MNIST trials (100 images a class, 3 epochs of 20 steps, fp32, one
+thread each), prune, share a storage, die and resume, cross-validate, and refuse a stranger's command before any
+trial."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run_cli, sets
+
+optuna = pytest.importorskip("optuna")
+
+BASE = sets("optim.lr=0.005", "schedule.name=constant", "data.train_per_class=100", "train.epochs=3",
+            "data.global_batch_size=50", "data.eval_limit=300", "train.progress=none", "train.plots=false",
+            "train.precision=fp32", "train.threads=1", "train.tensorboard=false")
+
+
+def _study(sweep_dir):
+    from brickyard.sweep.study import JOURNAL, open_storage
+    return optuna.load_study(study_name=sweep_dir.name, storage=open_storage(str(sweep_dir / JOURNAL)))
+
+
+def _space(tmp_path, text="optim.lr: {log_uniform: [1.0e-7, 0.005]}\n"):
+    p = tmp_path / "space.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_a_sweep_prunes_a_poor_trial_through_the_stop_path_and_answers(tmp_path):
+    """Trial 0 is the config's own rate (the baseline); random rates down to 1e-7 learn nothing in 20 steps and the
+    median pruner stops them at their first validation: the run directory is whole (checkpoint, test, summary) and
+    says why. The answer: the table, trials.csv, sweep.png, best.yaml that brickyard train takes."""
+    d = tmp_path / "s"
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--trials", "4", "--sampler", "random", "--seed", "3",
+                "--prune-startup", "1", "--dir", str(d), *BASE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trial 0 is the config's own values (the baseline): optim.lr=0.005" in r.stdout
+    s = _study(d)
+    trials = s.get_trials()
+    assert trials[0].params == {"optim.lr": 0.005} and trials[0].state.name == "COMPLETE" and s.best_trial.number == 0
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned and all(t.params["optim.lr"] < 1e-3 for t in pruned), [(t.state.name, t.params) for t in trials]
+    run = d / f"trial-{pruned[0].number:04d}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped"].startswith("pruned by the sweep at step 20") and summary["test_accuracy"] is not None
+    assert (run / "checkpoints" / "last.pt").exists() or any((run / "checkpoints").glob("step-*.pt"))
+    assert "pruned by the sweep: val_accuracy" in (run / "train.log").read_text()
+    assert list(pruned[0].intermediate_values) == [20]  # reported once, at its only validation
+    for name in ("trials.csv", "sweep.png", "best.yaml"):
+        assert (d / name).is_file(), name
+    assert f"trial 0, val_accuracy {trials[0].value:.4f}" in r.stdout
+    again = run_cli("train", str(d / "best.yaml"), *sets("train.max_steps=2"), "--run-dir", str(tmp_path / "best"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    show = run_cli("sweep", "--show", str(d))
+    assert show.returncode == 0 and " *\n" in show.stdout and "pruned" in show.stdout
+
+
+def _sweep_process(tmp_path, d, *extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "brickyard", "sweep", "mnist", "--space", _space(tmp_path), "--dir",
+                             str(d), "--pruner", "none", *BASE, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_two_sweep_processes_share_one_study_and_run_no_trial_twice(tmp_path):
+    d = tmp_path / "shared"
+    first = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--trials", "1", "--pruner", "none", *BASE)
+    assert first.returncode == 0, first.stderr[-2000:]  # the study exists, with its baseline done
+    procs = [_sweep_process(tmp_path, d, "--trials", "5") for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    trials = _study(d).get_trials()
+    assert 5 <= len(trials) <= 6 and all(t.state.name == "COMPLETE" for t in trials)  # one more where both asked at once
+    ran = [line for out, _ in outs for line in out.splitlines() if line.startswith("trial ")]
+    numbers = [int(line.split()[1].rstrip(":")) for line in ran if "complete" in line]
+    assert len(numbers) == len(set(numbers)) == len(trials) - 1 and all(outs[i][0].count("trial ") >= 1 for i in (0, 1))
+    for t in trials:  # each trial trained once, in its own directory, with its own values
+        run = d / f"trial-{t.number:04d}"
+        assert (run / "train.log").read_text().count("global batch") == 1
+        assert f"lr: {t.params['optim.lr']}" in (run / "config.yaml").read_text()
+
+
+def test_a_sweep_killed_with_sigkill_resumes_and_keeps_every_finished_trial(tmp_path):
+    d = tmp_path / "killed"
+    p = _sweep_process(tmp_path, d, "--trials", "3", "--seed", "1", *sets("train.epochs=6"))
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((d / "trial-0000" / "summary.json").is_file() and (d / "trial-0001").is_dir()):
+        time.sleep(0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate()
+    before = {t.number: (t.state.name, t.value) for t in _study(d).get_trials()}
+    assert before[0][0] == "COMPLETE" and before[1][0] == "RUNNING"
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--pruner", "none", "--trials", "3",
+                "--seed", "1", "--resume", *BASE, *sets("train.epochs=6"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 trial(s) of a sweep process that ended were marked failed and queued again" in r.stdout
+    after = _study(d).get_trials()
+    assert after[0].state.name == "COMPLETE" and after[0].value == before[0][1]
+    assert after[1].state.name == "FAIL" and "ended before it finished" in after[1].user_attrs["error"]
+    assert after[2].params == after[1].params and sum(t.state.name == "COMPLETE" for t in after) == 3
+
+
+def test_cross_validation_scores_a_trial_as_its_folds_mean(tmp_path):
+    """--folds 3: three runs a trial on disjoint validation folds whose union is the pooled training set; the
+    trial's value is their mean, the spread kept."""
+    from brickyard.config import load_config
+    from brickyard.data import build_data
+    d = tmp_path / "cv"
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path, "optim.lr: [0.005]\n"), "--dir", str(d), "--trials", "1",
+                "--folds", "3", *BASE, *sets("data.train_on_all=true"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = _study(d).get_trials()[0]
+    from brickyard.sweep.trial import best_value
+    scores = [best_value(d / "trial-0000" / f"fold-{i}", "val_accuracy") for i in range(3)]
+    assert t.user_attrs["folds"] == scores and t.value == pytest.approx(sum(scores) / 3)
+    held = []
+    for i in range(3):
+        assert f"fold {i} of 3" in (d / "trial-0000" / f"fold-{i}" / "train.log").read_text()
+        cfg = load_config("mnist", ["data.train_per_class=100", "data.train_on_all=true", "data.folds=3", f"data.fold={i}"])
+        held.append({tuple(x.flatten()[::7].tolist()) for x in build_data(cfg.data).val.images})
+    assert all(a.isdisjoint(b) for a, b in ((held[0], held[1]), (held[0], held[2]), (held[1], held[2])))
+    assert sum(map(len, held)) == 1000  # 100 images of each class, every one validated once
+
+
+def test_a_trial_of_two_processes_reports_once(tmp_path):
+    d = tmp_path / "two"
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path, "optim.lr: [0.005]\n"), "--dir", str(d), "--trials", "1",
+                "--devices", "cpu:2", *BASE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = _study(d).get_trials()[0]
+    assert t.state.name == "COMPLETE" and list(t.intermediate_values) == [20, 40, 60]
+    reports = [json.loads(line) for line in (d / "study.journal").read_text().splitlines()]
+    assert sum(op["op_code"] == 7 for op in reports) == 3  # SET_TRIAL_INTERMEDIATE_VALUE: rank 0 alone
+    assert (d / "trial-0000" / "logs" / "workerlog.1").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--space", "MISSING"], "--space .*: no such file"),
+    (["--space", "SPACE", "--metric", "val_map"], "--metric val_map is not scored for one label an image"),
+    (["--space", "SPACE", "--metric", "val_nope"], "checkpoint.monitor: 'val_nope' is not one of"),
+    (["--space", "SPACE", "--storage", "postgresql://u:secret@127.0.0.1:9/sweeps"], r"--storage postgresql://u:\*\*\*@127.0.0.1:9/sweeps( cannot be used|: the database driver)"),
+    (["--space", "SPACE", "--storage", "sqlite:////proc/no/such/dir/s.db"], "--storage sqlite:////proc/no/such/dir/s.db cannot be used"),
+    (["--space", "SPACE", *sets("data.train_on_all=true")], "keeps no validation to score a trial on"),
+    (["--space", "SPACE", "--folds", "1"], "--folds 1: cross-validation takes 2 folds or more"),
+])
+def test_a_strangers_sweep_is_one_sentence_before_any_trial(tmp_path, args, message):
+    d = tmp_path / "bad"
+    args = [_space(tmp_path) if a == "SPACE" else str(tmp_path / "missing.yaml") if a == "MISSING" else a for a in args]
+    r = run_cli("sweep", "mnist", *args, "--dir", str(d))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
+    import re
+    assert re.search(message, lines[0]), lines[0]
+    assert not list(d.glob("trial-*")) and "secret" not in r.stderr
