@@ -108,7 +108,7 @@ def test_tests_mirror_the_package():
 # the package's folders (and top-level modules) from the foundations up: each imports only what comes
 # before it, at the top of a module or inside a function alike, so the layers read one way
 LAYERS = ("errors", "files", "config", "optim", "data", "models", "distributed", "observe", "callbacks", "boost",
-          "training", "tools", "api", "launch", "cli", "__main__")
+          "training", "tools", "api", "launch", "sweep", "cli", "__main__")
 
 
 def _layer_of(module: str) -> str:

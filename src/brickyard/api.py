@@ -99,11 +99,8 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     keras = _keras_keywords(epochs, _batch(batch_size), validation_split, validation_freq, verbose)
     overrides = [*from_loader, *overrides, *(f"{key}={value}" for key, value in keras.items() if value is not None)]
     cfg = _fit_config(config, overrides)
-    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=loss_fn is not None or train_step is not None,
-                     transforms=cfg.data)
-    data.notes[:0] = loader_notes
-    if cfg.data.folds:  # k-fold cross-validation over the tensors given for training and validation
-        data = folded(data, cfg.data.folds, cfg.data.fold)
+    data = _user_data(cfg, (train_data, val_data, test_data), num_classes, model,
+                      loss_fn is not None or train_step is not None, loader_notes)
     if class_weight is not None:
         cfg = cfg.replace(**{"optim.class_weights": _class_weights(class_weight, data.num_classes)})
     _prepare(model, cfg, data)
@@ -111,6 +108,14 @@ def fit(model: nn.Module, train_data, val_data=None, test_data=None, config=None
     return train(cfg, model, data, Path(run_dir) if run_dir else None, resume, {"name": type(model).__name__},
                  log_dir=os.environ.get("BRICKYARD_LOG_DIR"), callbacks=callbacks, loss_fn=loss_fn, train_step=train_step,
                  loggers=loggers)
+
+
+def _user_data(cfg: Config, splits, num_classes, model, own_loss: bool, notes: list) -> DataBundle:
+    """fit's data as a bundle (``from_user``), what its loaders said first, cut into ``data.folds`` where set."""
+    train_data, val_data, test_data = splits
+    data = from_user(train_data, val_data, test_data, num_classes, model, own_loss=own_loss, transforms=cfg.data)
+    data.notes[:0] = notes
+    return folded(data, cfg.data.folds, cfg.data.fold) if cfg.data.folds else data  # k-fold cross-validation
 
 
 def _prepare(model: nn.Module, cfg: Config, data: DataBundle) -> None:
@@ -251,8 +256,9 @@ def found_lr(cfg: Config, run_dir=None, resume=None) -> Config:
     return cfg.replace(**{"optim.lr": float(f"{r['suggested_lr']:.3g}")})
 
 
-def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
-    """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs)."""
+def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None, callbacks=()) -> dict:
+    """Train the registry model and data set that ``cfg`` names (what ``brickyard train`` runs), with ``callbacks``
+    besides the config's (a sweep trial's ``Report``)."""
     run_dir = Path(run_dir) if run_dir else default_path(cfg.preset)
     cfg = found_lr(cfg, run_dir, resume)
     data = build_data(cfg.data)
@@ -266,15 +272,7 @@ def train_config(cfg: Config, run_dir=None, resume=None, log_dir=None) -> dict:
     if ft.init_from or ft.reset_head or ft.freeze:
         with Logger(dist_env.from_env().rank) as log:
             prepare(model, ft, cfg.model.num_classes or data.num_classes, log)
-    return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir, callbacks=_trial_report())
-
-
-def _trial_report() -> list:
-    """A sweep trial's ``Report`` where this run is one (``brickyard sweep`` sets ``BRICKYARD_TRIAL``)."""
-    if not os.environ.get("BRICKYARD_TRIAL"):
-        return []
-    from brickyard.sweep.trial import from_env  # only a sweep's trials load it (and, through it, Optuna)
-    return from_env()
+    return train(cfg, model, data, run_dir, resume, meta, log_dir=log_dir, callbacks=callbacks)
 
 
 def load_checkpoint_model(path) -> tuple[nn.Module, dict, Config]:

@@ -142,7 +142,7 @@ def test_a_trial_of_two_processes_reports_once(tmp_path):
     (["--space", "MISSING"], "--space .*: no such file"),
     (["--space", "SPACE", "--metric", "val_map"], "--metric val_map is not scored for one label an image"),
     (["--space", "SPACE", "--metric", "val_nope"], "checkpoint.monitor: 'val_nope' is not one of"),
-    (["--space", "SPACE", "--storage", "postgresql://u:secret@127.0.0.1:9/sweeps"], r"--storage postgresql://u:\*\*\*@127.0.0.1:9/sweeps( cannot be used|: the database driver)"),
+    (["--space", "SPACE", "--storage", "postgresql://u:secret@127.0.0.1:9/sweeps"], r"--storage postgresql://u:\*\*\*@127.0.0.1:9/sweeps( cannot be used|: its database driver)"),
     (["--space", "SPACE", "--storage", "sqlite:////proc/no/such/dir/s.db"], "--storage sqlite:////proc/no/such/dir/s.db cannot be used"),
     (["--space", "SPACE", *sets("data.train_on_all=true")], "keeps no validation to score a trial on"),
     (["--space", "SPACE", "--folds", "1"], "--folds 1: cross-validation takes 2 folds or more"),
@@ -156,3 +156,28 @@ def test_a_strangers_sweep_is_one_sentence_before_any_trial(tmp_path, args, mess
     import re
     assert re.search(message, lines[0]), lines[0]
     assert not list(d.glob("trial-*")) and "secret" not in r.stderr
+
+
+def test_two_machines_share_a_sweep_on_postgresql(tmp_path):
+    """A real PostgreSQL on loopback (a data directory of its own, stopped by PID): two sweep processes started with
+    the same command but their own folders, as two machines would be, share the study's trials; an unreachable
+    database is one sentence."""
+    import postgres_server
+    why = postgres_server.unavailable()
+    if why:
+        pytest.skip(why)
+    with postgres_server.Server() as url:
+        procs = [_sweep_process(tmp_path, tmp_path / machine / "pg", "--storage", url, "--trials", "4")
+                 for machine in ("a", "b")]
+        outs = [p.communicate(timeout=600) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+        from brickyard.sweep.study import open_storage
+        trials = optuna.load_study(study_name="pg", storage=open_storage(url)).get_trials()
+        assert 4 <= len(trials) <= 5 and all(t.state.name == "COMPLETE" for t in trials)
+        dirs = {t.number: t.user_attrs["run_dir"] for t in trials}
+        assert len(set(dirs.values())) == len(trials) and all((tmp_path / "a" / "pg").exists() for _ in (0,))
+        assert all(os.path.isfile(os.path.join(d, "summary.json")) for d in dirs.values())
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(tmp_path / "gone"), "--storage", url,
+                *BASE)  # the server has stopped
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: --storage {url}")
+    assert "cannot be used" in r.stderr

@@ -59,7 +59,7 @@ def run(args) -> int:
         return _show(Path(args.show), study, answer)
     sweep = _checked(args, space, study, driver)
     if args.parallel > 1:
-        return _side_by_side(args, sweep, study, answer)
+        return _side_by_side(args, sweep, study, answer, driver)
     storage = study.open_storage(sweep.storage)
     s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, args.seed),
                          study.pruner_of(args.pruner, args.prune_startup), args.resume)
@@ -83,7 +83,7 @@ def run(args) -> int:
 
 def _checked(args, space, study, driver):
     """The sweep the command asks for, every part checked before any trial starts."""
-    from brickyard.config import load_config
+    from brickyard.config import load_config  # torch-free, as every command's parser is
     if not args.space:
         raise ConfigError("brickyard sweep needs --space SPACE.yaml (the values a trial draws), or --show DIR.")
     for flag, v, low in (("--trials", args.trials, 1), ("--parallel", args.parallel, 1), ("--prune-startup", args.prune_startup, 0)):
@@ -139,7 +139,7 @@ def _show(sweep_dir: Path, study, answer) -> int:
     return 0
 
 
-def _side_by_side(args, sweep, study, answer) -> int:
+def _side_by_side(args, sweep, study, answer, driver) -> int:
     """``--parallel K``: K sweep processes on the same study (made here first), each with its share of the devices and
     its own seed; this one waits for them and writes the answer."""
     storage = study.open_storage(sweep.storage)

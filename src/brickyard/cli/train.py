@@ -72,8 +72,17 @@ def run(args) -> int:
     # torch and the modules that import it load here, for this command only (cli/main.py: start-up time)
     from brickyard import api
     run_dir = args.run_dir or str(default_path(cfg.preset))
-    summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir)
+    summary = api.train_config(cfg, run_dir, args.resume, log_dir=args.log_dir, callbacks=_trial_report())
     if dist.from_env().is_main:
         from brickyard.observe.runlog import print_result
         print_result(summary)
     return 0
+
+
+def _trial_report() -> list:
+    """A sweep trial's ``Report`` where this process trains one (a torchrun worker of ``brickyard sweep --devices``,
+    which sets ``BRICKYARD_TRIAL``); nothing otherwise."""
+    if not os.environ.get("BRICKYARD_TRIAL"):
+        return []
+    from brickyard.sweep.trial import from_env  # only a sweep's trials load it (and, through it, Optuna)
+    return from_env()

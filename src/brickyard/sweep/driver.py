@@ -15,11 +15,13 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from brickyard.config import load_config
 from brickyard.errors import BrickyardError, ConfigError
 from brickyard.files import write_atomic
 from brickyard.sweep.space import Param, override
 from brickyard.sweep.study import counts, fail_stale, optuna_module
-from brickyard.sweep.trial import PRUNED, best_value, reporting, summary_of
+from brickyard.sweep.trial import PRUNED, Report, best_value, reporting, summary_of
+from brickyard.training.resolve import MULTI_ONLY, SINGLE_ONLY
 
 SINGLE_SETS = ("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic")  # one label an image, whatever the config
 PLACEMENT = ("train.threads", "train.device", "data.num_workers")  # where a process trains, not what: may differ
@@ -48,40 +50,50 @@ class Sweep:
                 "space": [[p.key, p.kind, list(p.values), p.step, p.log] for p in self.params]}
 
 
+class TrialFailed(BrickyardError):
+    """A trial that failed with its one sentence: Optuna records it failed and the sweep goes on."""
+
+
 def run(sweep: Sweep, study) -> None:
-    """Trials until the study holds ``sweep.trials`` finished ones (or as many have failed in this process)."""
+    """Trials until the study holds ``sweep.trials`` finished ones (or as many have failed in this process), through
+    Optuna's ``study.optimize``: its ``MaxTrialsCallback`` counts every process's trials, and on a database its
+    heartbeat marks a dead machine's trials failed (``study.open_storage``)."""
     optuna = optuna_module()
     stale = fail_stale(study)
     if stale:
         print(f"sweep {sweep.name}: {stale} trial(s) of a sweep process that ended were marked failed and queued again",
               flush=True)
-    failed = 0
-    while True:
-        c = counts(study)
-        done = c.get("complete", 0) + c.get("pruned", 0)
-        grid = isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study)
-        if done + c.get("running", 0) >= sweep.trials or grid or failed >= sweep.trials:
-            if failed >= sweep.trials:
-                print(f"sweep {sweep.name}: stopping after {failed} failed trials in this process", flush=True)
-            return
-        trial = study.ask()
+    c = counts(study)
+    if c.get("complete", 0) + c.get("pruned", 0) >= sweep.trials:
+        return
+    failed = []
+
+    def objective(trial):
         state, value, why = one(sweep, study, trial)
-        failed += state == "fail"
-        if state == "fail" and trial.user_attrs.get("config_error") and not c.get("complete", 0):
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            raise ConfigError(f"trial {trial.number} (no trial has completed yet): {why}")  # every trial would
-        if state == "complete":
-            study.tell(trial, value)
-        else:
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL)
         shown = f"{sweep.metric} {value:.4f}" if value is not None else why or state
         print(f"trial {trial.number}: {state}, {shown} ({trial.user_attrs.get('run_dir')})", flush=True)
+        if state == "pruned":
+            raise optuna.TrialPruned()
+        if state == "fail":
+            failed.append(trial.number)
+            if trial.user_attrs.get("config_error") and not counts(study).get("complete", 0):
+                raise ConfigError(f"trial {trial.number} (no trial has completed yet): {why}")  # every trial would
+            raise TrialFailed(why or "failed")
+        return value
+
+    def enough_failures(study, trial):
+        if len(failed) >= sweep.trials:
+            print(f"sweep {sweep.name}: stopping after {len(failed)} failed trials in this process", flush=True)
+            study.stop()
+
+    done = optuna.study.MaxTrialsCallback(sweep.trials, states=(optuna.trial.TrialState.COMPLETE,
+                                                                optuna.trial.TrialState.PRUNED))
+    study.optimize(objective, catch=(TrialFailed,), callbacks=[done, enough_failures], gc_after_trial=True)
 
 
 def baseline(sweep: Sweep, study) -> str:
     """A new study's first trial: the config's own values of the space's keys (the recipe a sweep has to beat), queued
     where each lies in its range or choices; what was done, in words."""
-    from brickyard.config import load_config
     if study.get_trials(deepcopy=False) or isinstance(study.sampler, optuna_module().samplers.GridSampler):
         return ""  # a grid visits its own points (and the config's values where they are among them)
     cfg = load_config(sweep.config, sweep.overrides)
@@ -109,7 +121,6 @@ def _section(cfg, dotted: str):
 def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
     """Train one trial: ``(state, value, why)``; a failure's sentence is kept in the trial's ``error`` attribute.
     Ctrl-C marks the trial failed, queues its values again and goes on up."""
-    optuna = optuna_module()
     run_dir = sweep.dir / f"trial-{trial.number:04d}"
     trial.set_user_attr("host", socket.gethostname())
     trial.set_user_attr("pid", os.getpid())
@@ -118,9 +129,8 @@ def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
     overrides = [*sweep.overrides, *(override(k, v) for k, v in values.items()), f"checkpoint.monitor={sweep.metric}"]
     try:
         return _train(sweep, trial, run_dir, overrides)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Optuna records it failed; its values are queued for the sweep that continues
         trial.set_user_attr("error", "interrupted (Ctrl-C)")
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
         study.enqueue_trial(trial.params, skip_if_exists=False)
         raise
     except BrickyardError as e:
@@ -142,12 +152,12 @@ def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[st
         where = run_dir if fold is None else run_dir / f"fold-{fold}"
         extra = [] if fold is None else [f"data.folds={sweep.folds}", f"data.fold={fold}"]
         # with folds the pruner has no one curve to compare: each fold's run is whole
-        report = reporting(sweep.storage, sweep.name, trial._trial_id, sweep.metric, sweep.pruner) if fold is None else None
-        if report is not None:
-            with report:
-                train_run(sweep, [*overrides, *extra], where)
+        if fold is None:
+            spec = (sweep.storage, sweep.name, trial._trial_id, sweep.metric, sweep.pruner)
+            with reporting(*spec):
+                train_run(sweep, [*overrides, *extra], where, [Report(*spec)])
         else:
-            train_run(sweep, [*overrides, *extra], where)
+            train_run(sweep, [*overrides, *extra], where, [])
         if str(summary_of(where).get("stopped") or "").startswith(PRUNED):
             return "pruned", None, None
         value = best_value(where, sweep.metric)
@@ -160,28 +170,29 @@ def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[st
     return "complete", sum(scores) / len(scores), None
 
 
-def train_run(sweep: Sweep, overrides: list[str], run_dir: Path) -> None:
+def train_run(sweep: Sweep, overrides: list[str], run_dir: Path, report: list) -> None:
     """One run of a trial, as ``brickyard train CONFIG --set ... --run-dir RUN_DIR [--devices ...]`` runs it: in this
-    process, or under torchrun for several processes."""
-    from brickyard.config import load_config
+    process (with ``report``, the trial's callback), or under torchrun for several processes (whose workers make their
+    own from ``BRICKYARD_TRIAL``)."""
+    from brickyard import api  # the training engine: trials of one process train in this one
+    from brickyard.launch import torchrun as launch
     cfg = load_config(sweep.config, overrides)
-    if sweep.devices:
-        from brickyard.launch import torchrun as launch
-        args = argparse.Namespace(config=sweep.config, overrides=overrides, devices=sweep.devices, run_dir=str(run_dir),
-                                  resume=None, log_dir=None, max_restarts=0, nnodes="1", node_rank=None, master=None)
-        code = launch.launch(args, cfg)
-        if code:
-            raise BrickyardError(f"its run exited with status {code}")
+    nproc, device, visible = launch.parse_devices(sweep.devices) if sweep.devices else (1, None, None)
+    if nproc == 1:
+        if device is not None:  # one device of --devices: this process trains on it
+            cfg = cfg.replace(**{"train.device": device if device == "cpu" or visible is None else f"cuda:{visible}"})
+        api.train_config(cfg, run_dir, callbacks=report)
         return
-    from brickyard import api  # the training engine, in this process
-    api.train_config(cfg, run_dir)
+    args = argparse.Namespace(config=sweep.config, overrides=overrides, devices=sweep.devices, run_dir=str(run_dir),
+                              resume=None, log_dir=None, max_restarts=0, nnodes="1", node_rank=None, master=None)
+    code = launch.launch(args, cfg)
+    if code:
+        raise BrickyardError(f"its run exited with status {code}")
 
 
 def check(sweep: Sweep) -> None:
     """What makes every trial fail, as one sentence before the first: no validation to score, a metric the run's
     task does not score (where the config says the task)."""
-    from brickyard.config import load_config
-    from brickyard.training.resolve import MULTI_ONLY, SINGLE_ONLY
     cfg = load_config(sweep.config, [*sweep.overrides, f"checkpoint.monitor={sweep.metric}"])
     if cfg.data.train_on_all and not sweep.folds:
         raise ConfigError(f"--metric {sweep.metric}: this config trains on all its data (data.train_on_all) and keeps "

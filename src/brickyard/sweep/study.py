@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -29,29 +30,42 @@ def optuna_module():
     except ImportError:
         raise BrickyardError("brickyard sweep runs on Optuna, which is not installed: pip install 'brickyard[sweep]' "
                              "(or pip install optuna).") from None
-    optuna.logging.set_verbosity(logging.WARNING)
+    optuna.logging.set_verbosity(logging.ERROR)  # a failed trial is said by the sweep, in one line
     return optuna
 
 
 def open_storage(spec: str):
     """The storage of ``spec``: a database URL, or the path of a journal file; one sentence where it cannot be used."""
     optuna = optuna_module()
-    if "://" not in spec:
+    if "://" not in spec:  # a journal file: Optuna's storage for processes of one machine
         from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
         return optuna.storages.JournalStorage(JournalFileBackend(spec, lock_obj=JournalFileOpenLock(spec)))
+    error: BaseException = RuntimeError("no attempt")
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks the heartbeat and the retry callback experimental
+                return optuna.storages.RDBStorage(
+                    spec, heartbeat_interval=30, grace_period=90, engine_kwargs={"pool_pre_ping": True},
+                    failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+        except Exception as e:  # noqa: BLE001  SQLAlchemy's errors, said in one line below
+            if ("UniqueViolation" in str(e) or "already exists" in str(e)) and attempt < 2:
+                time.sleep(0.5 + attempt)  # two machines made the tables at once: the other's are there now
+                continue
+            error = e
+            break
+    raise _unusable(error, spec)
+
+
+def _unusable(e: BaseException, spec: str) -> BrickyardError:
+    """A database storage that cannot be used (no driver, unreachable, refused, a bad URL), in one sentence."""
     shown = _redacted(spec)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Optuna marks the heartbeat experimental
-            return optuna.storages.RDBStorage(spec, heartbeat_interval=30, grace_period=90,
-                                              engine_kwargs={"pool_pre_ping": True})
-    except Exception as e:  # noqa: BLE001  SQLAlchemy's errors (unreachable, refused, a bad URL), said in one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, ImportError) or "Failed to import DB access module" in first:
-            driver = {"postgresql": "psycopg2-binary", "mysql": "PyMySQL"}.get(spec.partition(":")[0].split("+")[0], "its driver")
-            raise BrickyardError(f"--storage {shown}: the database driver for it is not installed (pip install "
-                                 f"{driver}).") from None
-        raise BrickyardError(f"--storage {shown} cannot be used ({_redacted_text(first, spec)[:200]}).") from None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, ImportError):  # SQLAlchemy's dialect could not import its driver (Optuna re-raises it)
+        name = getattr(e.__cause__, "name", None) or getattr(e, "name", None) or "its driver"
+        package = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient"}.get(name, name)
+        return BrickyardError(f"--storage {shown}: its database driver {name} is not installed (pip install {package}).")
+    return BrickyardError(f"--storage {shown} cannot be used ({_redacted_text(first, spec)[:200]}).")
 
 
 def _redacted_text(text: str, url: str) -> str:
