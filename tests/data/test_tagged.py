@@ -67,7 +67,7 @@ def test_one_tag_an_image_reads_as_classes_unless_the_task_says_several(tmp_path
     assert not data.multilabel and data.classes == ["collie", "pug"] and [data.train.dataset[i][1] for i in range(3)] == [1, 0, 1]
     assert _read(root, task="multilabel").multilabel
     two = _folder(tmp_path / "two", {"train": [("a", "pug"), ("b", "collie pug")]})
-    with pytest.raises(DataError, match=r"data.task: single takes one tag an image, and .*train.csv gives image 2 2"):
+    with pytest.raises(DataError, match=r"data.task: single takes one tag an image, and image 2 of .*train.csv has 2"):
         _read(two, task="single")
 
 

@@ -50,6 +50,7 @@ def test_a_strangers_space_file_is_one_sentence(tmp_path):
         "train.epochs: {int: [1, 3], step: 0}\n": "step 0 must be a whole number",
         "train.epochs: {int: [0, 3], log: true}\n": "log: true takes a low of 1",
         "model.name: {choice: []}\n": "choice takes a list of one value or more",
+        "data.classes: [[0, 1], [2, 3]]\n": r"choice \[0, 1\] is not a single value",
         "optim.lr: [0.1\n": "is not YAML",
     }
     for text, message in cases.items():

@@ -49,7 +49,7 @@ def test_a_sweep_prunes_a_poor_trial_through_the_stop_path_and_answers(tmp_path)
     assert summary["stopped"].startswith("pruned by the sweep at step 20") and summary["test_accuracy"] is not None
     assert (run / "checkpoints" / "last.pt").exists() or any((run / "checkpoints").glob("step-*.pt"))
     assert "pruned by the sweep: val_accuracy" in (run / "train.log").read_text()
-    assert list(pruned[0].intermediate_values) == [20]  # reported once, at its only validation
+    assert list(pruned[0].intermediate_values) == [100]  # reported once, at its only validation: after epoch 1
     for name in ("trials.csv", "sweep.png", "best.yaml"):
         assert (d / name).is_file(), name
     assert f"trial 0, val_accuracy {trials[0].value:.4f}" in r.stdout
@@ -75,6 +75,8 @@ def test_two_sweep_processes_share_one_study_and_run_no_trial_twice(tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     trials = _study(d).get_trials()
     assert 5 <= len(trials) <= 6 and all(t.state.name == "COMPLETE" for t in trials)  # one more where both asked at once
+    lrs = [t.params["optim.lr"] for t in trials]
+    assert len(set(lrs)) == len(lrs)  # no values trained twice
     ran = [line for out, _ in outs for line in out.splitlines() if line.startswith("trial ")]
     numbers = [int(line.split()[1].rstrip(":")) for line in ran if "complete" in line]
     assert len(numbers) == len(set(numbers)) == len(trials) - 1 and all(outs[i][0].count("trial ") >= 1 for i in (0, 1))
@@ -132,7 +134,7 @@ def test_a_trial_of_two_processes_reports_once(tmp_path):
                 "--devices", "cpu:2", *BASE)
     assert r.returncode == 0, r.stderr[-3000:]
     t = _study(d).get_trials()[0]
-    assert t.state.name == "COMPLETE" and list(t.intermediate_values) == [20, 40, 60]
+    assert t.state.name == "COMPLETE" and list(t.intermediate_values) == [100, 200, 300]  # hundredths of an epoch
     reports = [json.loads(line) for line in (d / "study.journal").read_text().splitlines()]
     assert sum(op["op_code"] == 7 for op in reports) == 3  # SET_TRIAL_INTERMEDIATE_VALUE: rank 0 alone
     assert (d / "trial-0000" / "logs" / "workerlog.1").is_file()
@@ -141,7 +143,9 @@ def test_a_trial_of_two_processes_reports_once(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--space", "MISSING"], "--space .*: no such file"),
     (["--space", "SPACE", "--metric", "val_map"], "--metric val_map is not scored for one label an image"),
-    (["--space", "SPACE", "--metric", "val_nope"], "checkpoint.monitor: 'val_nope' is not one of"),
+    (["--space", "SPACE", "--metric", "val_nope"], "--metric val_nope is not a validation metric; one of val_loss"),
+    (["--space", "SPACE", "--storage", "sweeps.db"], "--storage 'sweeps.db' is not a database URL"),
+    (["--space", "SPACE", "--devices", "cpu:0"], "--devices"),
     (["--space", "SPACE", "--storage", "postgresql://u:secret@127.0.0.1:9/sweeps"], r"--storage postgresql://u:\*\*\*@127.0.0.1:9/sweeps( cannot be used|: its database driver)"),
     (["--space", "SPACE", "--storage", "sqlite:////proc/no/such/dir/s.db"], "--storage sqlite:////proc/no/such/dir/s.db cannot be used"),
     (["--space", "SPACE", *sets("data.train_on_all=true")], "keeps no validation to score a trial on"),
@@ -174,10 +178,34 @@ def test_two_machines_share_a_sweep_on_postgresql(tmp_path):
         from brickyard.sweep.study import open_storage
         trials = optuna.load_study(study_name="pg", storage=open_storage(url)).get_trials()
         assert 4 <= len(trials) <= 5 and all(t.state.name == "COMPLETE" for t in trials)
-        dirs = {t.number: t.user_attrs["run_dir"] for t in trials}
-        assert len(set(dirs.values())) == len(trials) and all((tmp_path / "a" / "pg").exists() for _ in (0,))
-        assert all(os.path.isfile(os.path.join(d, "summary.json")) for d in dirs.values())
+        dirs = [t.user_attrs["run_dir"] for t in trials]
+        machines = {os.path.relpath(d, tmp_path).split(os.sep)[0] for d in dirs}
+        assert machines == {"a", "b"}, dirs  # both machines trained trials of the one study
+        assert all(os.path.isfile(os.path.join(d, "summary.json")) for d in dirs)
+        lrs = [t.params["optim.lr"] for t in trials]
+        assert len(set(lrs)) == len(lrs)  # no values trained twice
     r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(tmp_path / "gone"), "--storage", url,
                 *BASE)  # the server has stopped
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: --storage {url}")
     assert "cannot be used" in r.stderr
+
+
+def test_ctrl_c_stops_a_sweep_keeps_its_trials_and_resume_finishes_it(tmp_path):
+    """SIGINT (Ctrl-C) during trial 1: the run saves and ends, the sweep ends with 130 saying how to continue, trial 0
+    is kept, trial 1 is failed with its values queued again, and --resume trains them."""
+    d = tmp_path / "int"
+    p = _sweep_process(tmp_path, d, "--trials", "2", "--seed", "2", *sets("train.epochs=6"))
+    deadline = time.time() + 300
+    while time.time() < deadline and not (d / "trial-0001" / "train.log").is_file():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "continue with --resume" in out, (out[-2000:], err[-2000:])
+    first = _study(d).get_trials()
+    assert [t.state.name for t in first[:2]] == ["COMPLETE", "FAIL"] and "interrupted" in first[1].user_attrs["error"]
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--pruner", "none", "--trials", "2",
+                "--seed", "2", "--resume", *BASE, *sets("train.epochs=6"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = _study(d).get_trials()
+    assert after[2].params == first[1].params and [t.state.name for t in after] == ["COMPLETE", "FAIL", "COMPLETE"]

@@ -49,20 +49,23 @@ def add(sub) -> None:
     s.add_argument("--parallel", type=int, default=1, metavar="K", help="trials side by side, each on its share of "
                    "--devices (GPU ids) or of the CPU's cores")
     s.add_argument("--folds", type=int, default=0, metavar="K", help="score each trial as the mean of K folds")
-    s.add_argument("--show", metavar="DIR", help="print a sweep's answer and write its files; trains nothing")
+    s.add_argument("--show", metavar="DIR", help="print a sweep's answer and write its files; trains nothing "
+                   "(with --storage for a sweep on a database)")
 
 
 def run(args) -> int:
     # Optuna and torch load here, for this command only (cli/main.py: start-up time)
     from brickyard.sweep import answer, driver, space, study
     if args.show:
-        return _show(Path(args.show), study, answer)
+        return _show(Path(args.show), args.storage, study, answer)
     sweep = _checked(args, space, study, driver)
     if args.parallel > 1:
         return _side_by_side(args, sweep, study, answer, driver)
     storage = study.open_storage(sweep.storage)
-    s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, args.seed),
+    s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, None),
                          study.pruner_of(args.pruner, args.prune_startup), args.resume)
+    if args.seed is not None:  # the seed and the trials already drawn: a resumed sweep draws new start-up trials
+        s.sampler = study.sampler_of(args.sampler, sweep.params, args.seed + len(s.get_trials(deepcopy=False)))
     said = driver.baseline(sweep, s) if not args.resume else ""
     c = study.counts(s)
     print(f"sweep {sweep.name}: {sweep.trials} trials of {sweep.config}, {sweep.metric} "
@@ -93,13 +96,21 @@ def _checked(args, space, study, driver):
         raise ConfigError(f"--folds {args.folds}: cross-validation takes 2 folds or more (0: none).")
     if args.resume and not args.dir:
         raise ConfigError("--resume continues the sweep of --dir DIR; say which.")
+    if args.storage and not args.dir:
+        raise ConfigError("--storage needs --dir DIR: its name is the study's, the same on every machine of the sweep.")
+    if args.storage and "://" not in args.storage:
+        raise ConfigError(f"--storage {args.storage!r} is not a database URL (postgresql://user:password@host/db, "
+                          f"sqlite:///path.db); without --storage the sweep keeps its study in --dir.")
+    if args.devices:
+        from brickyard.launch.torchrun import parse_devices  # once, before any trial: a bad spec is one sentence
+        parse_devices(args.devices)
     config = args.config or "mnist"
     cfg = load_config(config, args.overrides)
     params = space.read_space(args.space)
     space.check(params, config, args.overrides)
     metric = args.metric
     if metric == "auto":
-        metric = "val_map" if cfg.data.task == "multilabel" or cfg.data.name.endswith("-mosaic") else "val_accuracy"
+        metric = "val_map" if driver.task_of(cfg) == "multilabel" else "val_accuracy"
     stem = Path(config).stem if config.endswith((".yaml", ".yml")) else config
     where = Path(args.dir or Path("sweeps") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.storage is None:
@@ -124,15 +135,18 @@ def _said(s, sweep_dir: Path, metric: str, answer) -> None:
         print(path)
 
 
-def _show(sweep_dir: Path, study, answer) -> int:
+def _show(sweep_dir: Path, url: str | None, study, answer) -> int:
     journal = sweep_dir / study.JOURNAL
-    if not journal.is_file():
+    if url is None and not journal.is_file():
         raise BrickyardError(f"--show {sweep_dir}: no sweep there (no {study.JOURNAL}); a sweep on a database is shown "
-                             f"with --storage URL --dir DIR.")
-    storage = study.open_storage(str(journal.resolve()))
+                             f"with --show DIR --storage URL.")
+    storage = study.open_storage(url or str(journal.resolve()))
     optuna = study.optuna_module()
     name = sweep_dir.resolve().name
-    s = optuna.load_study(study_name=name, storage=storage)
+    try:
+        s = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        raise BrickyardError(f"--show {sweep_dir}: its storage holds no sweep {name!r}.") from None
     metric = s.user_attrs.get("settings", {}).get("metric", "value")
     print(answer.table(s, metric))
     _said(s, sweep_dir, metric, answer)
@@ -143,7 +157,9 @@ def _side_by_side(args, sweep, study, answer, driver) -> int:
     """``--parallel K``: K sweep processes on the same study (made here first), each with its share of the devices and
     its own seed; this one waits for them and writes the answer."""
     storage = study.open_storage(sweep.storage)
-    s = study.open_study(sweep.name, storage, sweep.settings(), None, None, args.resume)
+    s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, None),
+                         None, args.resume)
+    study.fail_stale(s)  # here, once: the processes below would race to fail the same trials
     said = driver.baseline(sweep, s) if not args.resume else ""
     if said:
         print(f"sweep {sweep.name}: {said}", flush=True)
@@ -169,6 +185,9 @@ def _side_by_side(args, sweep, study, answer, driver) -> int:
 
 def _shares(devices: str | None, k: int) -> list[tuple[str | None, int]]:
     """Each process's ``(--devices, train.threads)``: GPU ids split in K groups, or the CPU's cores split K ways."""
+    if devices in ("cuda", "all"):  # every GPU: listed, so that each process gets its own
+        import torch  # the GPUs this machine shows
+        devices = ",".join(str(i) for i in range(torch.cuda.device_count())) or devices
     if devices and devices.replace(",", "").isdigit():
         ids = devices.split(",")
         if len(ids) % k:

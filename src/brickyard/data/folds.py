@@ -35,6 +35,9 @@ def folded(bundle: DataBundle, folds: int, fold: int) -> DataBundle:
     if not bundle.in_memory:
         raise DataError("data.folds cuts data sets held as tensors here (mnist, fashion-mnist, cifar, synthetic, the "
                         "mosaics, fit's tensors); an image folder is cut where it is read.")
+    if bundle.val is not None and bundle.val.images is None:
+        raise DataError("data.folds pools the training and validation tensors, and the validation data is a Dataset or "
+                        "a DataLoader; pass both as tensors, or the training data alone.")
     parts = [(s.images, s.labels) for s in (bundle.train, bundle.val) if s is not None]
     images = torch.cat([x for x, _ in parts if x is not None])
     labels = torch.cat([y for _, y in parts if y is not None])

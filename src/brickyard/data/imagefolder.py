@@ -399,8 +399,8 @@ def imagefolder_bundle(cfg, channels: int) -> DataBundle:
     train = ImageFolderDataset(files, labels, train_pipe, cache=cfg.cache == "memory", disk=disk)
     return DataBundle("imagefolder", Split(dataset=train), val, test,
                       len(classes), channels, size, tuple(mean), tuple(std), classes,
-                      train_size=train_size if train_size != size else None,
-                      multilabel=splits.task == "multilabel")
+                      train_size=train_size if train_size != size else None, multilabel=splits.task == "multilabel",
+                      notes=[f"labels from {root / 'train.csv'} (image,tags)"] if splits.csv else [])
 
 
 def _fold(files, labels, val: Split | None, cfg, eval_pipe) -> tuple[list, list, Split]:

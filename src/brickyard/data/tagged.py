@@ -118,7 +118,8 @@ def _warn(path, folder, split, files, tags, vocab, listed) -> None:
             warnings.warn(f"{path}: {len(unknown)} tag(s) only the {split} split has ({', '.join(unknown[:5])}"
                           f"{', ...' if len(unknown) > 5 else ''}), on {lines:,} image(s); no output predicts them, "
                           f"so they are not scored.", stacklevel=3)
-    left = [p for p in listed.values() if p.suffix.lower() in IMAGE_EXT and p not in set(files)]
+    named = set(files)
+    left = [p for p in listed.values() if p.suffix.lower() in IMAGE_EXT and p not in named]
     if left:
         warnings.warn(f"{folder}: {len(left):,} image(s) that {path.name} does not list are left out (first: "
                       f"{left[0].name}).", stacklevel=3)
@@ -131,7 +132,7 @@ def task_of(path: Path, tags: list[list[str]], task: str) -> str:
         return "multilabel"
     bad = next((i for i, ts in enumerate(tags) if len(ts) != 1), None)
     if bad is not None:
-        raise DataError(f"data.task: single takes one tag an image, and {path} gives image {bad + 1:,} "
+        raise DataError(f"data.task: single takes one tag an image, and image {bad + 1:,} of {path} has "
                         f"{len(tags[bad])}; use data.task: multilabel or auto.")
     return "single"
 

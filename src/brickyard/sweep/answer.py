@@ -21,8 +21,8 @@ def rows(study) -> list[dict]:
     out = []
     for t in study.get_trials(deepcopy=False):
         seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None
-        value = t.value if t.value is not None else (t.intermediate_values[max(t.intermediate_values)]
-                                                     if t.intermediate_values else None)
+        value = t.value if t.value is not None else (  # a pruned trial: its last report; a failed one has none
+            t.intermediate_values[max(t.intermediate_values)] if t.state.name == "PRUNED" and t.intermediate_values else None)
         out.append({"trial": t.number, "state": t.state.name.lower(), "value": value, "seconds": seconds,
                     **t.params, "spread": t.user_attrs.get("spread"), "run_dir": t.user_attrs.get("run_dir"),
                     "error": t.user_attrs.get("error")})
@@ -78,7 +78,7 @@ def write(study, sweep_dir: Path, metric: str) -> list[Path]:
             cfg.get("data", {}).pop("folds", None)
             written.append(write_atomic(sweep_dir / "best.yaml", f"# the best trial of {sweep_dir.name}: trial "
                                         f"{best.number}, {metric} {best.value:.4f}\n" + yaml.safe_dump(cfg, sort_keys=False)))
-        tops = sorted((t for t in study.get_trials(deepcopy=False) if t.value is not None and t.user_attrs.get("run_dir")),
+        tops = sorted((t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.user_attrs.get("run_dir")),
                       key=lambda t: t.value if lower else -t.value)[:3]
         dirs = [Path(t.user_attrs["run_dir"]) for t in tops if (Path(t.user_attrs["run_dir"]) / "metrics.jsonl").is_file()]
         if dirs:

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from brickyard.config import load_config
+from brickyard.config.checks import VAL_METRICS
 from brickyard.errors import BrickyardError, ConfigError
 from brickyard.files import write_atomic
 from brickyard.sweep.space import Param, override
 from brickyard.sweep.study import counts, fail_stale, optuna_module
 from brickyard.sweep.trial import PRUNED, Report, best_value, reporting, summary_of
 from brickyard.training.resolve import MULTI_ONLY, SINGLE_ONLY
+from brickyard.training.trainer import Interrupted
 
 SINGLE_SETS = ("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic")  # one label an image, whatever the config
 PLACEMENT = ("train.threads", "train.device", "data.num_workers")  # where a process trains, not what: may differ
@@ -56,8 +58,9 @@ class TrialFailed(BrickyardError):
 
 def run(sweep: Sweep, study) -> None:
     """Trials until the study holds ``sweep.trials`` finished ones (or as many have failed in this process), through
-    Optuna's ``study.optimize``: its ``MaxTrialsCallback`` counts every process's trials, and on a database its
-    heartbeat marks a dead machine's trials failed (``study.open_storage``)."""
+    Optuna's ``study.optimize``: its ``MaxTrialsCallback`` counts every process's complete and pruned trials after
+    each trial (so K processes at once may finish up to K - 1 more), and on a database its heartbeat marks a dead
+    machine's trials failed (``study.open_storage``)."""
     optuna = optuna_module()
     stale = fail_stale(study)
     if stale:
@@ -129,10 +132,10 @@ def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
     overrides = [*sweep.overrides, *(override(k, v) for k, v in values.items()), f"checkpoint.monitor={sweep.metric}"]
     try:
         return _train(sweep, trial, run_dir, overrides)
-    except KeyboardInterrupt:  # Optuna records it failed; its values are queued for the sweep that continues
-        trial.set_user_attr("error", "interrupted (Ctrl-C)")
+    except (KeyboardInterrupt, Interrupted):  # Optuna records it failed; its values are queued for the sweep that goes on
+        trial.set_user_attr("error", "interrupted (Ctrl-C or SIGTERM)")
         study.enqueue_trial(trial.params, skip_if_exists=False)
-        raise
+        raise KeyboardInterrupt from None
     except BrickyardError as e:
         trial.set_user_attr("error", str(e))
         trial.set_user_attr("config_error", isinstance(e, ConfigError))
@@ -140,7 +143,8 @@ def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
     except Exception as e:  # noqa: BLE001  a crash fails this trial, said in a line; the traceback stays beside it
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "sweep-error.txt", traceback.format_exc())
-        why = f"{type(e).__name__}: {str(e)[:300]} (traceback in {run_dir / 'sweep-error.txt'})"
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        why = f"{type(e).__name__}: {first} (traceback in {run_dir / 'sweep-error.txt'})"
         trial.set_user_attr("error", why)
         return "fail", None, why
 
@@ -161,8 +165,9 @@ def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[st
         if str(summary_of(where).get("stopped") or "").startswith(PRUNED):
             return "pruned", None, None
         value = best_value(where, sweep.metric)
-        if value is None:
-            raise BrickyardError(f"the run in {where} wrote no {sweep.metric} (no validation ran)")
+        if value is None:  # every trial would: the sweep ends where none has completed (``run``)
+            raise ConfigError(f"the run in {where} wrote no {sweep.metric} (no validation ran, or the run scores no "
+                              f"such metric)")
         scores.append(value)
     if sweep.folds:
         trial.set_user_attr("folds", scores)
@@ -177,6 +182,10 @@ def train_run(sweep: Sweep, overrides: list[str], run_dir: Path, report: list) -
     from brickyard import api  # the training engine: trials of one process train in this one
     from brickyard.launch import torchrun as launch
     cfg = load_config(sweep.config, overrides)
+    launch.process_env(cfg)  # what the processes need before torch starts CUDA, as brickyard train sets it
+    if cfg.train.compile:
+        import torch  # the compiler's caches of the trial before (its recompile limit counts them)
+        torch._dynamo.reset()
     nproc, device, visible = launch.parse_devices(sweep.devices) if sweep.devices else (1, None, None)
     if nproc == 1:
         if device is not None:  # one device of --devices: this process trains on it
@@ -186,19 +195,52 @@ def train_run(sweep: Sweep, overrides: list[str], run_dir: Path, report: list) -
     args = argparse.Namespace(config=sweep.config, overrides=overrides, devices=sweep.devices, run_dir=str(run_dir),
                               resume=None, log_dir=None, max_restarts=0, nnodes="1", node_rank=None, master=None)
     code = launch.launch(args, cfg)
+    if code == 130:  # its workers were interrupted (Ctrl-C, SIGTERM) and saved
+        raise KeyboardInterrupt
     if code:
         raise BrickyardError(f"its run exited with status {code}")
+
+
+def task_of(cfg) -> str | None:
+    """``single`` or ``multilabel`` as the run will resolve ``data.task`` where the config and the data set's kind say
+    it without loading the images (a CSV-tagged folder: its training CSV); None where only the run can tell."""
+    d = cfg.data
+    if d.task != "auto":
+        return d.task
+    if d.name.endswith("-mosaic"):
+        return "multilabel"
+    if d.name in SINGLE_SETS:
+        return "single"
+    if d.name == "imagefolder" and d.root:
+        from brickyard.data import tagged  # reads the training CSV's tags only
+        root = Path(d.root).expanduser()
+        if not tagged.tagged(root):
+            return "single" if (root / "train").is_dir() else None
+        try:
+            return tagged.task_of(root / "train.csv", tagged.read_split(root, "train")[1], "auto")
+        except BrickyardError:
+            return None  # the run says what is wrong with the folder, in its one sentence
+    return None
+
+
+def _has_val(root: Path) -> bool:
+    from brickyard.data import tagged  # a CSV-tagged folder's validation split is its val.csv
+    return (root / "val.csv").is_file() if tagged.tagged(root.expanduser()) else (root.expanduser() / "val").is_dir()
 
 
 def check(sweep: Sweep) -> None:
     """What makes every trial fail, as one sentence before the first: no validation to score, a metric the run's
     task does not score (where the config says the task)."""
+    if sweep.metric not in VAL_METRICS:
+        raise ConfigError(f"--metric {sweep.metric} is not a validation metric; one of {', '.join(VAL_METRICS)}.")
     cfg = load_config(sweep.config, [*sweep.overrides, f"checkpoint.monitor={sweep.metric}"])
-    if cfg.data.train_on_all and not sweep.folds:
-        raise ConfigError(f"--metric {sweep.metric}: this config trains on all its data (data.train_on_all) and keeps "
-                          f"no validation to score a trial on; drop it, or use --folds K.")
-    task = cfg.data.task if cfg.data.task != "auto" else ("multilabel" if cfg.data.name.endswith("-mosaic") else
-                                                          "single" if cfg.data.name in SINGLE_SETS else None)
+    d = cfg.data
+    no_val = d.train_on_all or (d.name == "imagefolder" and d.root and not d.val_fraction and not _has_val(Path(d.root)))
+    if no_val and not sweep.folds:
+        raise ConfigError(f"--metric {sweep.metric}: this config keeps no validation split to score a trial on "
+                          f"({'data.train_on_all' if d.train_on_all else f'{d.root} has no val/'}); use --folds K"
+                          f"{', or drop data.train_on_all' if d.train_on_all else ', or data.val_fraction'}.")
+    task = task_of(cfg)
     if task and sweep.metric in (SINGLE_ONLY if task == "multilabel" else MULTI_ONLY):
         raise ConfigError(f"--metric {sweep.metric} is not scored for {'several labels' if task == 'multilabel' else 'one label'} "
                           f"an image; use {'val_map' if task == 'multilabel' else 'val_accuracy'} or val_loss.")

@@ -79,7 +79,7 @@ def _param(key: str, spec, path: Path) -> Param:
     where = f"--space {path}: {key}"
     if isinstance(spec, list):
         spec = {"choice": spec}
-    if not isinstance(spec, dict):
+    if not isinstance(spec, dict):  # a fixed value: set as --set would set it
         return Param(key, "fixed", (spec,))
     kinds = [k for k in spec if k in KINDS]
     extra = sorted(set(spec) - set(KINDS) - {"step", "log"})
@@ -90,6 +90,9 @@ def _param(key: str, spec, path: Path) -> Param:
     if kind == "choice":
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{where}: choice takes a list of one value or more.")
+        odd = next((v for v in values if v is not None and not isinstance(v, (bool, int, float, str))), None)
+        if odd is not None:  # Optuna's categorical values are None, booleans, numbers and strings
+            raise ConfigError(f"{where}: choice {odd!r} is not a single value (a number, a string, true/false or null).")
         return Param(key, kind, tuple(values))
     if not (isinstance(values, list) and len(values) == 2 and all(_number(v) for v in values)):
         raise ConfigError(f"{where}: {kind} takes [low, high], two numbers, not {values!r}.")

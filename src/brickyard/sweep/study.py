@@ -37,7 +37,7 @@ def optuna_module():
 def open_storage(spec: str):
     """The storage of ``spec``: a database URL, or the path of a journal file; one sentence where it cannot be used."""
     optuna = optuna_module()
-    if "://" not in spec:  # a journal file: Optuna's storage for processes of one machine
+    if "://" not in spec:  # a journal file (its path): Optuna's storage for processes of one machine
         from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
         return optuna.storages.JournalStorage(JournalFileBackend(spec, lock_obj=JournalFileOpenLock(spec)))
     error: BaseException = RuntimeError("no attempt")
@@ -45,9 +45,8 @@ def open_storage(spec: str):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Optuna marks the heartbeat and the retry callback experimental
-                return optuna.storages.RDBStorage(
-                    spec, heartbeat_interval=30, grace_period=90, engine_kwargs={"pool_pre_ping": True},
-                    failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+                return optuna.storages.RDBStorage(spec, heartbeat_interval=30, grace_period=90,
+                                                  engine_kwargs={"pool_pre_ping": True}, **_retry(optuna))
         except Exception as e:  # noqa: BLE001  SQLAlchemy's errors, said in one line below
             if ("UniqueViolation" in str(e) or "already exists" in str(e)) and attempt < 2:
                 time.sleep(0.5 + attempt)  # two machines made the tables at once: the other's are there now
@@ -55,6 +54,13 @@ def open_storage(spec: str):
             error = e
             break
     raise _unusable(error, spec)
+
+
+def _retry(optuna) -> dict:
+    """A dead machine's trial queued again once (Optuna's heartbeat callback; its older name before Optuna 4.9)."""
+    if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):
+        return {"heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)}
+    return {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
 
 
 def _unusable(e: BaseException, spec: str) -> BrickyardError:
@@ -83,6 +89,8 @@ def _redacted(url: str) -> str:
 
 
 def sampler_of(name: str, params, seed: int | None):
+    """Optuna's sampler ``name`` over ``params``, seeded with ``seed`` (the caller mixes in what tells processes and
+    resumed sweeps apart: a seed alone would draw the same start-up trials again)."""
     optuna = optuna_module()
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed)
@@ -128,8 +136,11 @@ def fail_stale(study) -> int:
         host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
         if host != socket.gethostname() or not isinstance(pid, int) or _alive(pid):
             continue
-        optuna.trial.Trial(study, t._trial_id).set_user_attr("error", "its sweep process ended before it finished")
-        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        try:  # another sweep process may be failing it at this moment: whoever finishes it first queues it again
+            optuna.trial.Trial(study, t._trial_id).set_user_attr("error", "its sweep process ended before it finished")
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        except (RuntimeError, ValueError):  # Optuna's UpdateFinishedTrialError is a RuntimeError
+            continue
         study.enqueue_trial(t.params, skip_if_exists=False)
         stale += 1
     with warnings.catch_warnings():

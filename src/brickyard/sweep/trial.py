@@ -24,8 +24,9 @@ PRUNED = "pruned by the sweep"
 
 
 class Report(Callback):
-    """Tells the Optuna trial each validation's ``metric`` (at the step it was taken) and stops the run when the
-    study's pruner says so. Rank 0 only; the stop reaches every rank through the run's stop vote."""
+    """Tells the Optuna trial each validation's ``metric`` (at the hundredths of an epoch it was taken: 100 after the
+    first epoch) and stops the run when the study's pruner says so. Rank 0 only; the stop reaches every rank through
+    the run's stop vote."""
 
     def __init__(self, storage: str, study: str, trial_id: int, metric: str, pruner: tuple = ("median", 5)):
         self.where, self.study_name, self.trial_id, self.metric = storage, study, trial_id, metric
@@ -44,7 +45,8 @@ class Report(Callback):
         if self.trial is None:
             return
         value = monitored(metrics, self.metric, f"brickyard sweep --metric {self.metric}")
-        self.trial.report(value, run.step)
+        # at hundredths of an epoch, not steps: trials of other batch sizes or data compare at the same point
+        self.trial.report(value, round(100 * run.step / max(run.steps_per_epoch, 1)))
         if self.trial.should_prune():
             run.log.info(f"{PRUNED}: {self.metric} {value:.4f} at step {run.step} is below what the pruner keeps")
             run.stop(f"{PRUNED} at step {run.step}")
