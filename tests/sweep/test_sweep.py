@@ -148,7 +148,7 @@ def test_a_trial_of_two_processes_reports_once(tmp_path):
     (["--space", "SPACE", "--devices", "cpu:0"], "--devices"),
     (["--space", "SPACE", "--storage", "postgresql://u:secret@127.0.0.1:9/sweeps"], r"--storage postgresql://u:\*\*\*@127.0.0.1:9/sweeps( cannot be used|: its database driver)"),
     (["--space", "SPACE", "--storage", "sqlite:////proc/no/such/dir/s.db"], "--storage sqlite:////proc/no/such/dir/s.db cannot be used"),
-    (["--space", "SPACE", *sets("data.train_on_all=true")], "keeps no validation to score a trial on"),
+    (["--space", "SPACE", *sets("data.train_on_all=true")], "keeps no validation split to score a trial on"),
     (["--space", "SPACE", "--folds", "1"], "--folds 1: cross-validation takes 2 folds or more"),
 ])
 def test_a_strangers_sweep_is_one_sentence_before_any_trial(tmp_path, args, message):
