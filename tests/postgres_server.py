@@ -84,7 +84,12 @@ class Server:
 
     def __exit__(self, *exc):
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # "fast" shutdown
+            # the postmaster's own PID (runuser, which started it, does not pass signals on): SIGINT, a fast shutdown
+            try:
+                pid = int((self.root / "data" / "postmaster.pid").read_text().split()[0])
+                os.kill(pid, signal.SIGINT)
+            except (OSError, ValueError, IndexError):
+                self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -36,7 +36,7 @@ def test_a_sweep_prunes_a_poor_trial_through_the_stop_path_and_answers(tmp_path)
     says why. The answer: the table, trials.csv, sweep.png, best.yaml that brickyard train takes."""
     d = tmp_path / "s"
     r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--trials", "4", "--sampler", "random", "--seed", "3",
-                "--prune-startup", "1", "--dir", str(d), *BASE)
+                "--prune-startup", "1", "--prune-warmup", "0", "--dir", str(d), *BASE)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trial 0 is the config's own values (the baseline): optim.lr=0.005" in r.stdout
     s = _study(d)
@@ -209,3 +209,22 @@ def test_ctrl_c_stops_a_sweep_keeps_its_trials_and_resume_finishes_it(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     after = _study(d).get_trials()
     assert after[2].params == first[1].params and [t.state.name for t in after] == ["COMPLETE", "FAIL", "COMPLETE"]
+
+
+def test_parallel_runs_trials_side_by_side_on_shares_of_the_cores(tmp_path):
+    """--parallel 2 on this CPU: two sweep processes on the study, each trial on half the cores (train.threads),
+    the parent writes the answer; and brickyard train never imports Optuna."""
+    d = tmp_path / "par"
+    r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--trials", "3", "--parallel", "2",
+                "--pruner", "none", "--seed", "4", *sets(*[v for v in BASE[1::2] if v != "train.threads=1"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trials = _study(d).get_trials()
+    assert 3 <= len(trials) <= 4 and all(t.state.name == "COMPLETE" for t in trials) and (d / "trials.csv").is_file()
+    cores = len(os.sched_getaffinity(0))
+    for t in trials:
+        assert f"threads: {max(1, cores // 2)}" in (d / f"trial-{t.number:04d}" / "config.yaml").read_text()
+    probe = subprocess.run([sys.executable, "-c", "import sys; from brickyard.cli.main import main; "
+                            f"code = main(['train', 'mnist', '--run-dir', {str(tmp_path / 'plain')!r}, "
+                            "'--set', 'train.max_steps=2', '--set', 'train.progress=none', '--set', 'train.plots=false']); "
+                            "print(code, 'optuna' in sys.modules)"], capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip().splitlines()[-1] == "0 False", probe.stderr[-2000:]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from brickyard.config import load_config
 from brickyard.config.checks import VAL_METRICS
-from brickyard.errors import BrickyardError, ConfigError
+from brickyard.errors import BrickyardError, ConfigError, DataError
 from brickyard.files import write_atomic
 from brickyard.sweep.space import Param, override
 from brickyard.sweep.study import counts, fail_stale, optuna_module
@@ -42,7 +42,7 @@ class Sweep:
     name: str
     folds: int = 0
     devices: str | None = None
-    pruner: tuple = ("median", 5)  # (name, startup trials)
+    pruner: tuple = ("median", 5, 0.0)  # (name, startup trials, warm-up epochs)
     said: list[str] = field(default_factory=list)
 
     def settings(self) -> dict:
@@ -80,7 +80,7 @@ def run(sweep: Sweep, study) -> None:
         if state == "fail":
             failed.append(trial.number)
             if trial.user_attrs.get("config_error") and not counts(study).get("complete", 0):
-                raise ConfigError(f"trial {trial.number} (no trial has completed yet): {why}")  # every trial would
+                raise ConfigError(f"trial {trial.number} failed, and no trial has completed yet: {why}")  # every trial would
             raise TrialFailed(why or "failed")
         return value
 
@@ -138,7 +138,7 @@ def one(sweep: Sweep, study, trial) -> tuple[str, float | None, str | None]:
         raise KeyboardInterrupt from None
     except BrickyardError as e:
         trial.set_user_attr("error", str(e))
-        trial.set_user_attr("config_error", isinstance(e, ConfigError))
+        trial.set_user_attr("config_error", isinstance(e, (ConfigError, DataError)))  # the command's or the data's: every trial meets it
         return "fail", None, str(e)
     except Exception as e:  # noqa: BLE001  a crash fails this trial, said in a line; the traceback stays beside it
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,8 +162,10 @@ def _train(sweep: Sweep, trial, run_dir: Path, overrides: list[str]) -> tuple[st
                 train_run(sweep, [*overrides, *extra], where, [Report(*spec)])
         else:
             train_run(sweep, [*overrides, *extra], where, [])
-        if str(summary_of(where).get("stopped") or "").startswith(PRUNED):
-            return "pruned", None, None
+        stopped = str(summary_of(where).get("stopped") or "")
+        if stopped.startswith(PRUNED):
+            so_far = best_value(where, sweep.metric)
+            return "pruned", None, f"{stopped}, its best {sweep.metric} {so_far:.4f}" if so_far is not None else stopped
         value = best_value(where, sweep.metric)
         if value is None:  # every trial would: the sweep ends where none has completed (``run``)
             raise ConfigError(f"the run in {where} wrote no {sweep.metric} (no validation ran, or the run scores no "

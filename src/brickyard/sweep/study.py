@@ -99,10 +99,12 @@ def sampler_of(name: str, params, seed: int | None):
     return optuna.samplers.GridSampler({p.key: p.grid() for p in params}, seed=seed)
 
 
-def pruner_of(name: str, startup: int):
+def pruner_of(name: str, startup: int, warmup: float = 0.0):
+    """Optuna's pruner ``name``: the median pruner after ``startup`` finished trials and, in each trial, after
+    ``warmup`` epochs (reports are at hundredths of an epoch: ``trial.Report``)."""
     optuna = optuna_module()
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=startup)
+        return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=round(100 * warmup))
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner()
     return optuna.pruners.NopPruner()

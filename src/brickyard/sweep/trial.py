@@ -28,9 +28,9 @@ class Report(Callback):
     first epoch) and stops the run when the study's pruner says so. Rank 0 only; the stop reaches every rank through
     the run's stop vote."""
 
-    def __init__(self, storage: str, study: str, trial_id: int, metric: str, pruner: tuple = ("median", 5)):
+    def __init__(self, storage: str, study: str, trial_id: int, metric: str, pruner: tuple = ("median", 5, 0.0)):
         self.where, self.study_name, self.trial_id, self.metric = storage, study, trial_id, metric
-        self.pruner = tuple(pruner)  # (name, startup trials): a pruner is the sweep process's, not the storage's
+        self.pruner = tuple(pruner)  # (name, startup trials, warm-up epochs): the sweep process's, not the storage's
         self.trial = None
 
     def on_train_start(self, run):
