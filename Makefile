@@ -24,6 +24,7 @@ $(VENV)/.test-installed: $(VENV)/.installed  ## and what the suite and the linte
 	$(PY) -m pip install -q -e '.[onnx]' || echo "the [onnx] extra could not be installed: the ONNX tests will skip"
 	$(PY) -m pip install -q -e '.[mlflow,wandb]' || echo "the [mlflow,wandb] extras could not be installed: the tracker tests will skip"
 	$(PY) -m pip install -q -e '.[hf]' || echo "the [hf] extra (Hugging Face datasets) could not be installed: its tests will skip"
+	$(PY) -m pip install -q -e '.[ray]' || echo "the [ray] extra (Ray Train) could not be installed: its test will skip"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -9,11 +9,12 @@ from brickyard.callbacks.early_stopping import EarlyStopping
 from brickyard.callbacks.ema import EMA
 from brickyard.callbacks.layer_outputs import LayerOutputs
 from brickyard.callbacks.max_time import MaxTime
+from brickyard.callbacks.ray_train import RayReport, ray_resume
 from brickyard.callbacks.reduce_lr import ReduceLROnPlateau
 from brickyard.callbacks.swa import SWA
 
-__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "ReduceLROnPlateau", "SWA",
-           "from_config"]
+__all__ = ["Callback", "CallbackList", "CSVLogger", "EarlyStopping", "EMA", "LayerOutputs", "MaxTime", "RayReport",
+           "ReduceLROnPlateau", "SWA", "from_config", "ray_resume"]
 
 
 def from_config(cfg) -> list[Callback]:
