@@ -118,3 +118,33 @@ def test_a_study_keeps_its_settings_and_fails_the_trials_of_a_dead_process(tmp_p
     states = {t.number: t.state.name for t in s.get_trials()}
     assert states == {0: "FAIL", 1: "RUNNING", 2: "WAITING"}
     assert s.get_trials()[2].system_attrs["fixed_params"] == trial.params and "ended before it finished" in s.get_trials()[0].user_attrs["error"]
+
+
+@pytest.mark.fast
+def test_a_trial_is_judged_at_each_validation_but_its_last():
+    """The pruner is asked after every validation but the one at the run's end: a trial that trained to its end is
+    complete (the fashion sweep had one pruned at its last step, which saved nothing)."""
+    import logging
+    from types import SimpleNamespace
+
+    from brickyard.sweep.trial import Report
+
+    class Trial:
+        def __init__(self):
+            self.reported = []
+
+        def report(self, value, step):
+            self.reported.append((value, step))
+
+        def should_prune(self):
+            return True
+
+    stops = []
+    report = Report("journal", "s", 0, "val_accuracy")
+    report.trial = Trial()
+    for step in (20, 40, 60):
+        run = SimpleNamespace(step=step, steps_per_epoch=20, total_steps=60, log=logging.getLogger("t"),
+                              stop=lambda reason, step=step: stops.append((step, reason)))
+        report.on_validation_end(run, {"accuracy": 0.5 + step / 1000})
+    assert report.trial.reported == [(0.52, 100), (0.54, 200), (0.56, 300)]
+    assert [s for s, _ in stops] == [20, 40] and stops[0][1] == "pruned by the sweep at step 20"
