@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import warm
+import warm_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"
@@ -145,6 +146,30 @@ def _starter() -> str:
         if not frame.filename.startswith(stdlib) and frame.filename != __file__:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "Python's own library"
+
+
+_WORKERS: list[warm_workers.Workers] = []
+
+
+def pytest_configure(config):
+    """torchrun's workers forked from a warm interpreter (``tests/warm_workers.py``), in each process that runs tests
+    (not xdist's controller), unless only the fast tier runs (it starts no process) or ``BRICKYARD_TESTS_COLD=1``."""
+    controller = getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ
+    if controller or config.option.markexpr == "fast" or os.environ.get("BRICKYARD_TESTS_COLD") == "1" \
+            or not sys.platform.startswith("linux") or "PYTHON_EXEC" in os.environ:
+        return
+    workers = warm_workers.Workers()
+    # the threads run_torchrun gives each of 2 workers (``launch/torchrun.py``); other counts start cold
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+    workers.start({**os.environ, "OMP_NUM_THREADS": threads})
+    os.environ["PYTHON_EXEC"] = workers.stand_in
+    _WORKERS.append(workers)
+
+
+def pytest_unconfigure(config):
+    while _WORKERS:
+        _WORKERS.pop().close()
+        os.environ.pop("PYTHON_EXEC", None)
 
 
 _CALL_PASSED = pytest.StashKey[bool]()
