@@ -28,9 +28,9 @@ def _start(tmp_path, how):
     workers = conftest._WORKERS[0]
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
-    proc = subprocess.Popen([workers.stand_in, "-u", str(script), how], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": threads, "TORCHELASTIC_RUN_ID": "x"}, start_new_session=True)
+    env = {**workers.envs[0], "TORCHELASTIC_RUN_ID": "x"}  # the server's load-time variables; torchrun's own aside
+    proc = subprocess.Popen([workers.stand_in, "-u", str(script), how], stdout=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     pid, warm = proc.stdout.readline().split()
     assert int(pid) != proc.pid and warm == "True"  # forked from the warm server: torch already imported
     return proc, int(pid)

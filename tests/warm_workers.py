@@ -197,12 +197,14 @@ class Workers:
         os.chmod(self.stand_in, 0o755)
         self.server_code = _SERVER.format(folder=self.folder, tests=tests)
         self.servers: list[subprocess.Popen] = []
+        self.envs: list[dict[str, str]] = []  # each server's environment, as it was started
 
     def start(self, env: dict[str, str]) -> None:
         """A server for workers whose load-time environment is ``env``'s (it answers ``ready`` once warm)."""
         proc = subprocess.Popen([sys.executable, "-c", self.server_code], env=env, stdout=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir(), start_new_session=True)
         self.servers.append(proc)
+        self.envs.append(dict(env))
         if proc.stdout.readline().strip() != b"ready":
             raise RuntimeError("the warm server for torchrun's workers did not start")
 
