@@ -59,6 +59,32 @@ def test_a_sweep_prunes_a_poor_trial_through_the_stop_path_and_answers(tmp_path)
     assert show.returncode == 0 and " *\n" in show.stdout and "pruned" in show.stdout
 
 
+def test_a_grid_of_choices_and_whole_numbers_goes_on_past_failed_trials_and_answers_in_full(tmp_path):
+    """The grid sampler over a choice and an int range visits each of its 4 points once; a rate that makes the loss
+    non-finite fails its trials with their one sentence and the sweep goes on, ending 0. The answer: each parameter's
+    importance, the best trials' curves, and best.yaml carrying the best trial's values."""
+    import yaml
+    d = tmp_path / "grid"
+    space = _space(tmp_path, "optim.lr: {choice: [0.005, 1.0e+30]}\ntrain.seed: {int: [0, 1]}\n")
+    r = run_cli("sweep", "mnist", "--space", space, "--sampler", "grid", "--trials", "4", "--seed", "0",
+                "--pruner", "hyperband", "--dir", str(d), *BASE, *sets("train.epochs=1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trials = _study(d).get_trials()
+    assert sorted((t.params["optim.lr"], t.params["train.seed"]) for t in trials) == [(0.005, 0), (0.005, 1),
+                                                                                       (1e30, 0), (1e30, 1)]
+    for t in trials:
+        if t.params["optim.lr"] == 1e30:
+            assert t.state.name == "FAIL" and "training loss became non-finite" in t.user_attrs["error"], t.user_attrs
+            assert f"trial {t.number}: fail, training loss became non-finite" in r.stdout
+        else:  # a trial's only validation is its last: never judged, whatever the pruner
+            assert t.state.name == "COMPLETE" and list(t.intermediate_values) == [100]
+    best = _study(d).best_trial
+    assert (d / "importance.png").is_file() and any((d / "best-curves").glob("*.png"))
+    cfg = yaml.safe_load((d / "best.yaml").read_text())
+    assert cfg["optim"]["lr"] == 0.005 and cfg["train"]["seed"] == best.params["train.seed"]
+    assert "non-finite" in (d / "trials.csv").read_text()
+
+
 def _sweep_process(tmp_path, d, *extra):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "brickyard", "sweep", "mnist", "--space", _space(tmp_path), "--dir",
@@ -213,18 +239,21 @@ def test_ctrl_c_stops_a_sweep_keeps_its_trials_and_resume_finishes_it(tmp_path):
 
 def test_parallel_runs_trials_side_by_side_on_shares_of_the_cores(tmp_path):
     """--parallel 2 on this CPU: two sweep processes on the study, each trial on half the cores (train.threads),
-    the parent writes the answer; and brickyard train never imports Optuna."""
+    the parent writes the answer; and brickyard train never imports Optuna, a database driver or Ray."""
     d = tmp_path / "par"
     r = run_cli("sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--trials", "3", "--parallel", "2",
                 "--pruner", "none", "--seed", "4", *sets(*[v for v in BASE[1::2] if v != "train.threads=1"]))
     assert r.returncode == 0, r.stderr[-3000:]
     trials = _study(d).get_trials()
     assert 3 <= len(trials) <= 4 and all(t.state.name == "COMPLETE" for t in trials) and (d / "trials.csv").is_file()
+    assert any(a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete
+               for i, a in enumerate(trials) for b in trials[i + 1:]), [(t.datetime_start, t.datetime_complete) for t in trials]
     cores = len(os.sched_getaffinity(0))
     for t in trials:
         assert f"threads: {max(1, cores // 2)}" in (d / f"trial-{t.number:04d}" / "config.yaml").read_text()
     probe = subprocess.run([sys.executable, "-c", "import sys; from brickyard.cli.main import main; "
                             f"code = main(['train', 'mnist', '--run-dir', {str(tmp_path / 'plain')!r}, "
                             "'--set', 'train.max_steps=2', '--set', 'train.progress=none', '--set', 'train.plots=false']); "
-                            "print(code, 'optuna' in sys.modules)"], capture_output=True, text=True, timeout=300)
-    assert probe.stdout.strip().splitlines()[-1] == "0 False", probe.stderr[-2000:]
+                            "print(code, sorted({'optuna', 'sqlalchemy', 'psycopg', 'psycopg2', 'ray'} & set(sys.modules)))"],
+                           capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip().splitlines()[-1] == "0 []", probe.stderr[-2000:]

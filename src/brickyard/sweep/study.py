@@ -69,7 +69,7 @@ def _unusable(e: BaseException, spec: str) -> BrickyardError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, ImportError):  # SQLAlchemy's dialect could not import its driver (Optuna re-raises it)
         name = getattr(e.__cause__, "name", None) or getattr(e, "name", None) or "its driver"
-        package = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient"}.get(name, name)
+        package = {"psycopg": "'brickyard[postgresql]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient"}.get(name, name)
         return BrickyardError(f"--storage {shown}: its database driver {name} is not installed (pip install {package}).")
     return BrickyardError(f"--storage {shown} cannot be used ({_redacted_text(first, spec)[:200]}).")
 
