@@ -151,9 +151,12 @@ def _starter() -> str:
 _WORKERS: list[warm_workers.Workers] = []
 
 
-def pytest_configure(config):
+def pytest_collection_finish(session):
     """torchrun's workers forked from a warm interpreter (``tests/warm_workers.py``), in each process that runs tests
-    (not xdist's controller), unless only the fast tier runs (it starts no process) or ``BRICKYARD_TESTS_COLD=1``."""
+    (not xdist's controller), unless only the fast tier runs (it starts no process) or ``BRICKYARD_TESTS_COLD=1``.
+    Started once the tests are collected: importing them sets load-time variables (``TORCHINDUCTOR_CACHE_DIR``,
+    ``KMP_INIT_AT_FORK``), and a server started before would match no worker."""
+    config = session.config
     controller = getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ
     if controller or config.option.markexpr == "fast" or os.environ.get("BRICKYARD_TESTS_COLD") == "1" \
             or not sys.platform.startswith("linux") or "PYTHON_EXEC" in os.environ:

@@ -69,7 +69,8 @@ def test_a_grid_of_choices_and_whole_numbers_goes_on_past_failed_trials_and_answ
     r = run_cli("sweep", "mnist", "--space", space, "--sampler", "grid", "--trials", "4", "--seed", "0",
                 "--pruner", "hyperband", "--dir", str(d), *BASE, *sets("train.epochs=1"))
     assert r.returncode == 0, r.stderr[-3000:]
-    trials = _study(d).get_trials()
+    study = _study(d)
+    trials = study.get_trials()
     assert sorted((t.params["optim.lr"], t.params["train.seed"]) for t in trials) == [(0.005, 0), (0.005, 1),
                                                                                        (1e30, 0), (1e30, 1)]
     for t in trials:
@@ -78,7 +79,7 @@ def test_a_grid_of_choices_and_whole_numbers_goes_on_past_failed_trials_and_answ
             assert f"trial {t.number}: fail, training loss became non-finite" in r.stdout
         else:  # a trial's only validation is its last: never judged, whatever the pruner
             assert t.state.name == "COMPLETE" and list(t.intermediate_values) == [100]
-    best = _study(d).best_trial
+    best = study.best_trial
     assert (d / "importance.png").is_file() and any((d / "best-curves").glob("*.png"))
     cfg = yaml.safe_load((d / "best.yaml").read_text())
     assert cfg["optim"]["lr"] == 0.005 and cfg["train"]["seed"] == best.params["train.seed"]
