@@ -3,10 +3,18 @@
 
     python benchmarks/sweep_cost.py [--trials 4] [--steps 60] [--rounds 3]
 
-For each round it prints the wall time of the sweep and of the K commands, and per trial: the time Optuna recorded
-for the trial, the run's own ``wall_seconds`` (``summary.json``: from ``train()``'s start to its end) and its
-``train_seconds`` (the loop and its evaluations). What a trial costs outside its run is the first less the second;
-what a command costs besides its run (the interpreter, ``import torch``, the config) is its wall time less the run's.
+For each round it prints the wall time of the sweep and of the K commands. At the end, the median of each part of a
+trial's and of a command's time outside its training loop, from what the run wrote (``summary.json``):
+
+- the loop: ``train_seconds`` (the training steps only);
+- validation and checkpoints: the epochs' time (``epoch_seconds``) less the loop's;
+- set-up, test and summary: the run's ``wall_seconds`` (``train()``'s start to the summary) less the epochs';
+- plots: ``plot_seconds``;
+- the rest: for a trial, Optuna's trial time less the run's (the sweep's own share: its trial's config, storage
+  writes and reading the metrics back); for a command, its wall time less the run's (the interpreter, ``import
+  torch``, the config).
+
+Plots and TensorBoard are on as in a default run (``--lean`` turns them off).
 """
 from __future__ import annotations
 
@@ -19,12 +27,21 @@ import tempfile
 import time
 from pathlib import Path
 
-COMMON = ["optim.lr=0.005", "data.eval_limit=500", "train.progress=none", "train.plots=false", "train.tensorboard=false",
-          "train.precision=fp32"]
+COMMON = ["optim.lr=0.005", "data.eval_limit=500", "train.progress=none", "train.precision=fp32"]
+LEAN = ["train.plots=false", "train.tensorboard=false"]
 
 
 def _sets(items):
     return [a for item in items for a in ("--set", item)]
+
+
+def _parts(s: dict) -> dict:
+    epochs = sum(s["epoch_seconds"])
+    return {"loop": s["train_seconds"], "validation": epochs - s["train_seconds"], "setup": s["wall_seconds"] - epochs,
+            "plots": s.get("plot_seconds", 0.0), "run": s["wall_seconds"] + s.get("plot_seconds", 0.0)}
+
+
+PARTS = ("setup", "validation", "plots", "rest")
 
 
 def _sweep(tmp: Path, k: int, steps: int) -> tuple[float, list[dict]]:
@@ -41,7 +58,7 @@ def _sweep(tmp: Path, k: int, steps: int) -> tuple[float, list[dict]]:
     with open(d / "trials.csv") as f:
         for row in csv.DictReader(f):
             s = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
-            rows.append({"trial": float(row["seconds"]), "run": s["wall_seconds"], "train": s["train_seconds"]})
+            rows.append({"outside": float(row["seconds"]), **_parts(s)})
     return wall, rows
 
 
@@ -54,7 +71,7 @@ def _commands(tmp: Path, k: int, steps: int) -> tuple[float, list[dict]]:
                         *_sets([*COMMON, f"train.max_steps={steps}", f"optim.weight_decay={1e-5 * (i + 1):g}"])],
                        check=True, capture_output=True)
         s = json.loads((d / "summary.json").read_text())
-        rows.append({"command": time.perf_counter() - t, "run": s["wall_seconds"], "train": s["train_seconds"]})
+        rows.append({"outside": time.perf_counter() - t, **_parts(s)})
     return time.perf_counter() - start, rows
 
 
@@ -63,20 +80,30 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lean", action="store_true", help="plots and TensorBoard off")
     a = p.parse_args()
-    outside, besides, ratios = [], [], []
+    if a.lean:
+        COMMON.extend(LEAN)
+    parts: dict[str, list] = {"trial": [], "command": []}
+    ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             sw, trials = _sweep(Path(tmp), a.trials, a.steps)
             cm, runs = _commands(Path(tmp), a.trials, a.steps)
-            outside += [t["trial"] - t["run"] for t in trials]
-            besides += [c["command"] - c["run"] for c in runs]
+            for kind, rows in (("trial", trials), ("command", runs)):
+                for row in rows:
+                    row["rest"] = row["outside"] - row["run"]
+                    row["outside"] -= row["loop"]
+                    parts[kind].append(row)
             ratios.append(sw / cm)
             print(f"round {r}: sweep of {a.trials} trials {sw:.1f} s, {a.trials} train commands {cm:.1f} s "
-                  f"(ratio {sw / cm:.3f}); runs' own time {statistics.mean(t['run'] for t in trials):.2f} s in the "
-                  f"sweep, {statistics.mean(c['run'] for c in runs):.2f} s as commands", flush=True)
-    print(f"a trial outside its run: median {statistics.median(outside):.2f} s; a command besides its run: median "
-          f"{statistics.median(besides):.2f} s; sweep / commands: median {statistics.median(ratios):.3f}")
+                  f"(ratio {sw / cm:.3f})", flush=True)
+    print(f"median over {len(parts['trial'])} of each, seconds: outside the loop = " + " + ".join(PARTS))
+    for kind, rows in parts.items():
+        med = {k: statistics.median(row[k] for row in rows) for k in ("loop", "outside", *PARTS)}
+        print(f"a {kind}: loop {med['loop']:.2f}; outside it {med['outside']:.2f} = " +
+              " + ".join(f"{k} {med[k]:.2f}" for k in PARTS))
+    print(f"sweep / commands: median {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

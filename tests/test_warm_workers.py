@@ -12,14 +12,14 @@ import conftest
 
 SCRIPT = """
 import os, signal, sys, time
-print(os.getpid(), "torch" in sys.modules, flush=True)
 how = sys.argv[1]
+if how == "forward":  # before the pid is told: the test signals as soon as it reads it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+print(os.getpid(), "torch" in sys.modules, flush=True)
 if how == "exit":
     sys.exit(3)
 if how == "signal":
     os.kill(os.getpid(), signal.SIGTERM)
-if how == "forward":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
 time.sleep(60)
 """
 

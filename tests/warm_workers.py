@@ -65,15 +65,21 @@ umask = os.umask(0o22)
 os.umask(umask)
 request = dict(target, env=dict(os.environ), cwd=os.getcwd(), umask=umask, cpus=sorted(os.sched_getaffinity(0)))
 socket.send_fds(s, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-f = s.makefile("r")
-pid = int(f.readline())
+pid, early = None, []
 def forward(n, _):
+    if pid is None:  # before the worker's pid came: sent on once it has
+        early.append(n)
+        return
     try:
         os.kill(pid, n)
     except ProcessLookupError:
         pass
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, forward)
+f = s.makefile("r")
+pid = int(f.readline())
+for n in early:
+    forward(n, None)
 line = f.readline()
 code = int(line) if line.strip() else -signal.SIGKILL
 if code < 0:

@@ -59,6 +59,28 @@ def test_a_sweep_prunes_a_poor_trial_through_the_stop_path_and_answers(tmp_path)
     assert show.returncode == 0 and " *\n" in show.stdout and "pruned" in show.stdout
 
 
+def test_hyperband_prunes_in_its_brackets_from_the_first_validation(tmp_path):
+    """--pruner hyperband over 3-epoch trials: resources from the first validation (epoch 1) to the last (epoch 3),
+    so two brackets (Optuna's own defaults would judge nothing before a trial completes). The sweep's name puts
+    trials 0-2 in the bracket that judges at epoch 1 (Optuna assigns brackets by crc32 of the study name and the
+    trial number): the baseline, judged first, goes on; two rates far below it are pruned at their first
+    validation, through the stop path."""
+    d = tmp_path / "brackets"
+    space = _space(tmp_path, "optim.lr: {choice: [0.005, 1.0e-6, 1.0e-7]}\n")
+    r = run_cli("sweep", "mnist", "--space", space, "--trials", "3", "--sampler", "random", "--seed", "0",
+                "--pruner", "hyperband", "--dir", str(d), *BASE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    study = _study(d)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "PRUNED"], [(t.state.name, t.params) for t in trials]
+    assert trials[0].params["optim.lr"] == 0.005 and list(trials[0].intermediate_values) == [100, 200, 300]
+    for t in trials[1:]:
+        assert t.params["optim.lr"] < 1e-5 and list(t.intermediate_values) == [100]
+        summary = json.loads((d / f"trial-{t.number:04d}" / "summary.json").read_text())
+        assert summary["stopped"].startswith("pruned by the sweep at step 20") and summary["test_accuracy"] is not None
+    assert "hyperband pruner" in r.stdout
+
+
 def test_a_grid_of_choices_and_whole_numbers_goes_on_past_failed_trials_and_answers_in_full(tmp_path):
     """The grid sampler over a choice and an int range visits each of its 4 points once; a rate that makes the loss
     non-finite fails its trials with their one sentence and the sweep goes on, ending 0. The answer: each parameter's

@@ -120,11 +120,22 @@ def _checked(args, space, study, driver):
         where.mkdir(parents=True, exist_ok=True)
     sweep = driver.Sweep(config, list(args.overrides), params, metric, args.trials, where,
                          study.storage_spec(where, args.storage), where.resolve().name, args.folds, args.devices,
-                         (args.pruner, args.prune_startup, _warmup(args.prune_warmup, cfg)))
+                         (args.pruner, args.prune_startup, _warmup(args.prune_warmup, cfg), *_span(cfg, params)))
     driver.check(sweep)
     if args.sampler == "grid":
         [p.grid() for p in params]  # a continuous range has no grid: one sentence now
     return sweep
+
+
+def _span(cfg, params) -> tuple[float, float | None]:
+    """The epochs of a trial's first validation and of its end (the longest in the space), for Hyperband's rungs;
+    None for a run measured in steps."""
+    epochs = [p.values for p in params if p.key == "train.epochs"]
+    last = max([cfg.train.epochs, *[float(v) for values in epochs for v in values if isinstance(v, (int, float))]])
+    if not last:
+        return 1.0, None
+    every = cfg.train.eval_every
+    return (float(min(every, last)) if every else last), float(last)
 
 
 def _warmup(given: str, cfg) -> float:

@@ -42,7 +42,7 @@ class Sweep:
     name: str
     folds: int = 0
     devices: str | None = None
-    pruner: tuple = ("median", 5, 0.0)  # (name, startup trials, warm-up epochs)
+    pruner: tuple = ("median", 5, 0.0, 1.0, None)  # (name, startup trials, warm-up epochs, first and last validation epochs)
     said: list[str] = field(default_factory=list)
 
     def settings(self) -> dict:

@@ -99,14 +99,24 @@ def sampler_of(name: str, params, seed: int | None):
     return optuna.samplers.GridSampler({p.key: p.grid() for p in params}, seed=seed)
 
 
-def pruner_of(name: str, startup: int, warmup: float = 0.0):
-    """Optuna's pruner ``name``: the median pruner after ``startup`` finished trials and, in each trial, after
-    ``warmup`` epochs (reports are at hundredths of an epoch: ``trial.Report``)."""
+def pruner_of(name: str, startup: int, warmup: float = 0.0, first: float = 1.0, last: float | None = None):
+    """Optuna's pruner ``name``. Reports are at hundredths of an epoch (``trial.Report``), so epochs are resources of 100.
+
+    - ``median``: after ``startup`` finished trials and, in each trial, after ``warmup`` epochs;
+    - ``hyperband``: Optuna's ``HyperbandPruner`` with reduction factor 3 over the run's validations, from the first
+      (``first`` epochs) to the run's end (``last`` epochs). Optuna's own defaults (``min_resource=1``,
+      ``max_resource="auto"``: ``optuna/pruners/_hyperband.py`` ``__init__`` and ``_try_initialization``) would put
+      every bracket's first rungs (steps 1, 3, ... 81) before the first validation at step 100, so that all brackets
+      judge at the same point, and would judge nothing until a trial completes (the baseline never competes);
+      ``last`` None (a run measured in steps, not epochs) keeps ``"auto"``.
+    """
     optuna = optuna_module()
     if name == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=round(100 * warmup))
     if name == "hyperband":
-        return optuna.pruners.HyperbandPruner()
+        low = max(1, round(100 * first))
+        high = "auto" if last is None else max(low, round(100 * last))
+        return optuna.pruners.HyperbandPruner(min_resource=low, max_resource=high, reduction_factor=3)
     return optuna.pruners.NopPruner()
 
 
