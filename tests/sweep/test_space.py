@@ -103,8 +103,14 @@ def test_a_study_keeps_its_settings_and_fails_the_trials_of_a_dead_process(tmp_p
     settings = {"config": "mnist", "overrides": [], "metric": "val_accuracy", "folds": 0, "space": []}
     with pytest.raises(ConfigError, match="--resume: there is no sweep 's' in this storage"):
         st.open_study("s", storage, settings, None, None, resume=True)
-    s = st.open_study("s", storage, settings, None, None, resume=False)
-    assert st.open_study("s", storage, settings, None, None, resume=True).study_name == "s"  # joined
+    s, made = st.open_study("s", storage, settings, None, None, resume=False)
+    joined, again = st.open_study("s", storage, settings, None, None, resume=True)
+    assert made and not again and joined.study_name == "s"  # made once, then joined
+    # two machines starting at once: both saw no study; the storage lets one make it, the other joins it
+    import unittest.mock
+    with unittest.mock.patch.object(optuna.study, "get_all_study_summaries", lambda storage: []):
+        late, made_too = st.open_study("s", storage, settings, None, None, resume=False)
+    assert not made_too and late.study_name == "s"
     with pytest.raises(ConfigError, match="sweep 's' was started with another metric, overrides"):
         st.open_study("s", storage, {**settings, "metric": "val_loss", "overrides": ["optim.lr=1"]}, None, None, False)
     trial = s.ask({"optim.lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)})

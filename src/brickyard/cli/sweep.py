@@ -65,11 +65,12 @@ def run(args) -> int:
     if args.parallel > 1:
         return _side_by_side(args, sweep, study, answer, driver)
     storage = study.open_storage(sweep.storage)
-    s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, None),
-                         study.pruner_of(*sweep.pruner), args.resume)
+    s, made = study.open_study(sweep.name, storage, sweep.settings(),
+                               study.sampler_of(args.sampler, sweep.params, None), study.pruner_of(*sweep.pruner),
+                               args.resume)
     if args.seed is not None:  # the seed and the trials already drawn: a resumed sweep draws new start-up trials
         s.sampler = study.sampler_of(args.sampler, sweep.params, args.seed + len(s.get_trials(deepcopy=False)))
-    said = driver.baseline(sweep, s) if not args.resume else ""
+    said = driver.baseline(sweep, s) if made else ""  # by the process that made the study: once
     c = study.counts(s)
     print(f"sweep {sweep.name}: {sweep.trials} trials of {sweep.config}, {sweep.metric} "
           f"({'lowest' if sweep.metric.endswith('loss') else 'highest'} best), {args.sampler} sampler, {args.pruner} "
@@ -184,10 +185,10 @@ def _side_by_side(args, sweep, study, answer, driver) -> int:
     """``--parallel K``: K sweep processes on the same study (made here first), each with its share of the devices and
     its own seed; this one waits for them and writes the answer."""
     storage = study.open_storage(sweep.storage)
-    s = study.open_study(sweep.name, storage, sweep.settings(), study.sampler_of(args.sampler, sweep.params, None),
-                         None, args.resume)
+    s, made = study.open_study(sweep.name, storage, sweep.settings(),
+                               study.sampler_of(args.sampler, sweep.params, None), None, args.resume)
     study.fail_stale(s)  # here, once: the processes below would race to fail the same trials
-    said = driver.baseline(sweep, s) if not args.resume else ""
+    said = driver.baseline(sweep, s) if made else ""
     if said:
         print(f"sweep {sweep.name}: {said}", flush=True)
     common = ["sweep", sweep.config, "--space", args.space, "--trials", str(sweep.trials), "--metric", sweep.metric,

@@ -121,15 +121,26 @@ def pruner_of(name: str, startup: int, warmup: float = 0.0, first: float = 1.0, 
 
 
 def open_study(name: str, storage, settings: dict, sampler, pruner, resume: bool):
-    """The study ``name`` in ``storage``: made with ``settings`` (kept in its user attributes), or joined where it
-    exists with the same settings; other settings, or ``resume`` of a study that does not exist, are one sentence."""
+    """``(study, made)``: the study ``name`` in ``storage``, made here with ``settings`` (kept in its user attributes;
+    ``made`` True), or joined where it exists with the same settings; other settings, or ``resume`` of a study that
+    does not exist, are one sentence. Of several processes starting one sweep at once (machines sharing a database),
+    the storage lets one make it (the others' ``create_study`` meets ``DuplicatedStudyError``), so one queues the
+    baseline."""
     optuna = optuna_module()
     exists = name in [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
     if resume and not exists:
         raise ConfigError(f"--resume: there is no sweep {name!r} in this storage to continue; drop --resume to start it.")
     direction = "minimize" if settings["metric"].endswith("loss") else "maximize"
-    study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
-                                direction=direction, load_if_exists=True)
+    made = False
+    if not exists:
+        try:
+            study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
+                                        direction=direction)
+            made = True
+        except optuna.exceptions.DuplicatedStudyError:  # another process made it in between
+            pass
+    if not made:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     kept = study.user_attrs.get("settings")
     if kept is None:
         study.set_user_attr("settings", settings)
@@ -137,7 +148,7 @@ def open_study(name: str, storage, settings: dict, sampler, pruner, resume: bool
         differ = sorted(k for k in set(kept) | set(settings) if kept.get(k) != settings.get(k))
         raise ConfigError(f"sweep {name!r} was started with another {', '.join(differ)}; continue it with the same "
                           f"command, or start a new sweep in another --dir.")
-    return study
+    return study, made
 
 
 def fail_stale(study) -> int:
