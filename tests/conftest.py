@@ -1,8 +1,11 @@
+import getpass
 import os
 import platform
+import re
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -15,6 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"
 if "BRICKYARD_DATA" not in os.environ and SHARED.is_dir():
     os.environ["BRICKYARD_DATA"] = str(SHARED)
+
+# torch sets TORCHINDUCTOR_CACHE_DIR to its default the first time a process asks for inductor's cache, which a test
+# training in-process may do halfway: set from the start, every process a test starts has the environment the warm
+# servers (tests/warm.py, tests/warm_workers.py) were started with, before and after, and is forked from one
+# (torch/_inductor/runtime/cache_dir_utils.py default_cache_dir, without importing inductor: 1.5 s a process)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())))
 
 # tiny synthetic runs used across the suite: fast, deterministic, no files needed. fp32 is pinned:
 # `precision: auto` picks bf16 on CPUs with AVX-512-BF16, and the equality tests compare at fp32 tolerance
@@ -268,14 +278,22 @@ def run_cli_many(*commands, env=None, timeout=600, cwd=None):
     return done
 
 
+def popen_cli(args, **kwargs) -> subprocess.Popen:
+    """`python -u -m brickyard ARGS` started as ``subprocess.Popen(..., **kwargs)`` would start it, through the suite's
+    stand-in for Python (``tests/warm_workers.py``: forked from a warm interpreter, its signals and exit the stand-in's),
+    or cold where there is none. For a command a test waits for or signals, not one whose process itself it inspects."""
+    if _WORKERS:  # a server for a command's environment (torchrun's workers get one thread each: theirs differs)
+        _WORKERS[0].ensure(kwargs.get("env") or dict(os.environ))
+    return subprocess.Popen([os.environ.get("PYTHON_EXEC") or sys.executable, "-u", "-m", "brickyard", *args], **kwargs)
+
+
 def sigterm_rank_one(args, run: Path, rows: int):
     """`brickyard ARGS --run-dir RUN` on 2 processes, SIGTERM to rank 1 alone (as a scheduler may send it) once it has
     logged its pid and ``rows`` training rows are written; returns (returncode, stderr) of the command."""
     import re
     import signal
     import time
-    proc = subprocess.Popen([sys.executable, "-m", "brickyard", *args, "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = popen_cli([*args, "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log1, metrics = run / "logs" / "workerlog.1", run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (log1.is_file() and "pid" in log1.read_text() and metrics.is_file()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import run_cli, sets
+from conftest import popen_cli, run_cli, sets
 
 optuna = pytest.importorskip("optuna")
 
@@ -110,9 +110,8 @@ def test_a_grid_of_choices_and_whole_numbers_goes_on_past_failed_trials_and_answ
 
 def _sweep_process(tmp_path, d, *extra):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "brickyard", "sweep", "mnist", "--space", _space(tmp_path), "--dir",
-                             str(d), "--pruner", "none", *BASE, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return popen_cli(["sweep", "mnist", "--space", _space(tmp_path), "--dir", str(d), "--pruner", "none", *BASE, *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def test_two_sweep_processes_share_one_study_and_run_no_trial_twice(tmp_path):
