@@ -11,6 +11,7 @@ imbalance between the stages.
 
     python benchmarks/pipeline.py                       # ViT-Tiny (7 px patches) on 28 px MNIST-shaped data, 2 stages
     python benchmarks/pipeline.py --rounds 5 --steps 40 --model vit_tiny --devices cpu:2
+    python benchmarks/pipeline.py --wide                # and data parallel, tensor parallel, 2 x 2 (4 processes)
     python benchmarks/pipeline.py --batch-norm --seeds 0 1 --epochs 2   # what microbatch statistics cost
     python benchmarks/pipeline.py --batch-norm --preset fashion-resnet18 --set data.train_per_class=300 --epochs 4
 
@@ -37,14 +38,22 @@ RECIPE = ["data.name=synthetic", "model.patch_size=7", "data.synthetic.num_train
           "train.eval_every=0", "checkpoint.every_epoch=false", "train.tensorboard=false", "train.progress=none"]
 
 
-def layouts(stages: int, devices: str) -> list[tuple[str, list[str], str | None]]:
-    """(label, extra settings, --devices) of each layout measured."""
+def layouts(stages: int, devices: str, wide: bool = False) -> list[tuple[str, list[str], str | None]]:
+    """(label, extra settings, --devices) of each layout measured; ``wide`` adds tensor parallel and the 4-process
+    layouts (two pipelines, each data parallel, FSDP or tensor parallel inside a stage)."""
     out: list[tuple[str, list[str], str | None]] = [("1 process", [], None)]
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
             out.append((f"{stages} stages, {schedule}, {m} microbatches",
                         [f"dist.pipeline.stages={stages}", f"dist.pipeline.schedule={schedule}", f"dist.pipeline.microbatches={m}"],
                         devices))
+    if wide:
+        staged = [f"dist.pipeline.stages={stages}"]
+        out += [("2 data-parallel processes", [], "cpu:2"),
+                ("tensor parallel 2", ["dist.tensor_parallel=2"], "cpu:2"),
+                (f"{stages} stages x 2 replicas", staged, f"cpu:{2 * stages}"),
+                (f"{stages} stages x 2, FSDP in a stage", staged + ["dist.strategy=fsdp"], f"cpu:{2 * stages}"),
+                (f"{stages} stages x tensor parallel 2", staged + ["dist.tensor_parallel=2"], f"cpu:{2 * stages}")]
     return out
 
 
@@ -86,6 +95,7 @@ def main() -> None:
     ap.add_argument("--devices", default="cpu:2")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wide", action="store_true", help="add data parallel, tensor parallel and the 4-process layouts")
     ap.add_argument("--batch-norm", action="store_true", help="what microbatch statistics cost a preset's accuracy")
     ap.add_argument("--preset", default="fashion-lean", help="with --batch-norm: the preset trained")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
@@ -96,7 +106,7 @@ def main() -> None:
     if args.batch_norm:
         batch_norm_cost(args.seeds, args.epochs, args.devices, args.preset, tuple(args.extra))
         return
-    cases = layouts(args.stages, args.devices)
+    cases = layouts(args.stages, args.devices, args.wide)
     got: dict[str, list[dict]] = {label: [] for label, _, _ in cases}
     for _ in range(args.rounds):
         for label, extra, devices in cases:
@@ -112,7 +122,7 @@ def main() -> None:
         idle = ""
         if "pipeline" in rows[-1]:
             per = [statistics.median(s["pipeline"]["ranks"][r]["idle"] for s in rows) for r in range(len(rows[-1]["pipeline"]["ranks"]))]
-            m, n = rows[-1]["pipeline"]["microbatches"], args.stages
+            m, n = rows[-1]["pipeline"]["microbatches"], args.stages  # 4 ranks: stage 0, 0, 1, 1 (replicas or shards)
             idle = f"{' / '.join(f'{100 * v:.0f}%' for v in per)} ({100 * (n - 1) / (m + n - 1):.0f}%)"
         print(f"{label:<36} {ips:>8.0f} {ips / base:>5.2f}x {holds:>13} {idle:>24}")
 

@@ -452,6 +452,42 @@ def test_the_roll_call_is_never_inside_a_store_call_when_the_launcher_exits():
     assert time.monotonic() - start < RollCall.JOIN_S + 0.5 and not roll.connected  # not the job's 60 s
 
 
+@pytest.mark.fast
+def test_a_store_lost_after_every_node_joined_leaves_the_ending_to_the_workers():
+    """One rank's error ends a two-node job; the node hosting the store ended before the other node's agent saw its
+    own workers end, and that agent's look at the store between checks raised a rendezvous error: its node said
+    "not all 2 nodes joined ... (joined: 0, 1)" after its workers' own sentence (once in a full suite run of the
+    bad-image test on two hosts). While torchrun's agent runs, that look counts as nobody waiting; the roll
+    call's sentence for a store lost after every node joined says so, not that nodes are missing."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from brickyard.launch.nodes import RollCall, workers_say_a_lost_store
+
+    class Lost:  # what the handler's sync meets when the store's host has ended
+        def sync(self):
+            raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    handler = object.__new__(DynamicRendezvousHandler)
+    handler._heartbeat_lock = __import__("threading").Lock()
+    handler._state_holder = Lost()
+    handler._record = lambda **_: None
+    with workers_say_a_lost_store():
+        assert handler.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousConnectionError):  # torch's own behaviour again outside the agent's run
+        handler.num_nodes_waiting()
+    roll = object.__new__(RollCall)
+    roll.job = SimpleNamespace(master="192.168.250.1:29400", node_rank=1, timeout_s=300, nnodes=2, min_nodes=None,
+                               hosts_rendezvous=lambda: False)
+    roll.connected, roll.joined = True, ["0", "1"]
+    assert roll.failure().startswith("the job's store at 192.168.250.1:29400 went away after every node had joined "
+                                     "(joined: 0, 1)")
+    roll.joined = ["1"]
+    assert roll.failure().startswith("node 0 never joined the job at 192.168.250.1:29400 within 300s")
+
+
 def test_under_srun_the_run_directory_is_one_name_and_devices_are_refused(tmp_path):
     """srun starts the tasks: every task names the same default run directory (from the job and step ids,
     not its own clock), and --devices, which would start processes of its own, is one sentence."""

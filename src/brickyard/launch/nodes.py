@@ -10,6 +10,7 @@ node names its own address (``--local-addr``) and interface (``GLOO_SOCKET_IFNAM
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -119,6 +120,35 @@ class AgentWatch:
                 os._exit(code if 0 <= code < 256 else 1)
 
 
+@contextlib.contextmanager
+def workers_say_a_lost_store():
+    """While torchrun's agent runs here, a rendezvous store it cannot reach between two checks of healthy workers
+    counts as no node waiting to join, instead of ending the agent with a rendezvous error.
+
+    Between checks, the agent asks the store whether nodes wait to join (torch's ``agent/server/api.py``
+    ``_invoke_run``, the ``WorkerState.HEALTHY`` branch; ``rendezvous/dynamic_rendezvous.py``
+    ``num_nodes_waiting`` records the failure and raises it again). When one rank's error ends the job, the node
+    hosting the store can end before another node's agent has seen its own workers end: those workers have said
+    the cause (``error: rank 1: ...``), and the agent's rendezvous error would add a second, wrong sentence (the
+    nodes had all joined). Left to the next check, the agent sees its workers' exit and ends the way a failed job
+    ends; workers still running meet the lost peer in their next collective, and a store cut off mid-call is the
+    ``AgentWatch``'s. A rendezvous for a restart still fails as before."""
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    asks = DynamicRendezvousHandler.num_nodes_waiting
+
+    def num_nodes_waiting(handler) -> int:
+        try:
+            return asks(handler)
+        except RendezvousError:
+            return 0
+    DynamicRendezvousHandler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler.num_nodes_waiting = asks  # type: ignore[method-assign]
+
+
 class RollCall:
     """Each node's launcher signs in on the rendezvous store (its node rank, or its address), so a
     job whose nodes did not all come can say which are missing. A daemon thread: it connects when
@@ -182,5 +212,8 @@ class RollCall:
                 return (f"node{'s' if len(missing) > 1 else ''} {names} never joined the job at {job.master} within "
                         f"{job.timeout_s}s (joined: {', '.join(self.joined) or 'none'}); start "
                         f"{'them' if len(missing) > 1 else 'it'} with the same --nnodes and --master.")
+        if len(self.joined) >= job.nnodes:  # every node was in: the store went away after the job began
+            return (f"the job's store at {job.master} went away after every node had joined (joined: "
+                    f"{', '.join(self.joined)}): the node that hosts it ended or was cut off; its output says why.")
         return (f"not all {job.nnodes} nodes joined the job at {job.master} within {job.timeout_s}s "
                 f"(joined: {', '.join(self.joined) or 'none known'}).")

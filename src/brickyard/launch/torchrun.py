@@ -10,6 +10,7 @@ only the checks that turn its failures into one sentence.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -249,7 +250,8 @@ def run_torchrun(job: Job, worker: list[str], log_dir: Path | None, note: str = 
     print(f"launching {job.world} processes ({job.nproc} per node x {job.nnodes} node(s), {job.device}) with torchrun; "
           f"{note}logs in {log_dir or 'the run directory'}", flush=True)
     try:
-        torchrun.run(torchrun.parse_args(targv))
+        with nodes.workers_say_a_lost_store() if job.nnodes > 1 else contextlib.nullcontext():
+            torchrun.run(torchrun.parse_args(targv))
     except SignalException:  # the launcher was stopped (SIGTERM, SIGHUP): torchrun passed the signal to the
         return 130             # workers, and rank 0 has said where it saved
     except ChildFailedError as e:
