@@ -133,6 +133,7 @@ def workers_say_a_lost_store():
     nodes had all joined). Left to the next check, the agent sees its workers' exit and ends the way a failed job
     ends; workers still running meet the lost peer in their next collective, and a store cut off mid-call is the
     ``AgentWatch``'s. A rendezvous for a restart still fails as before."""
+    # torch loads here, not at the top: the CLI imports this module before a command runs
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     asks = DynamicRendezvousHandler.num_nodes_waiting
