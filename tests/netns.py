@@ -57,19 +57,6 @@ class Hosts:
         except BaseException:
             self.close()
             raise
-        self._warm()
-
-    @staticmethod
-    def _warm() -> None:
-        """Warm servers for the workers these hosts' launchers will start (``tests/warm_workers.py``), where the
-        suite has them: one for the threads ``launch/torchrun.py`` gives each worker of 1 and of 2 a node. A worker
-        whose environment still differs starts cold, as it would without them."""
-        import conftest
-        if not conftest._WORKERS:
-            return
-        workers, cores = conftest._WORKERS[0], os.cpu_count() or 1
-        for nproc in (1, 2):
-            workers.ensure({**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc))})
 
     def _make(self, names) -> None:
         _ip("netns", "add", self.switch)
@@ -94,14 +81,11 @@ class Hosts:
         return f"{SUBNET}.{i + 1}"
 
     def popen(self, i: int, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        """``python -m brickyard ARGV`` on host ``i`` (``env`` adds to ours; None unsets), in a process group of its own
-        (to kill a whole node)."""
+        """``python -m brickyard ARGV`` on host ``i`` (``env`` adds to ours; None unsets), in a process group of its own (to kill a whole node)."""
         # a crash in native code prints where Python was (a node died once of SIGSEGV with nothing on stderr)
         full_env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
         full_env.update(env or {})
         full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
-        # the command itself starts cold: forked warm, a launcher crashed once (SIGSEGV) creating torchrun's store
-        # while its roll call connected to it; its workers fork warm (PYTHON_EXEC, tests/warm_workers.py)
         p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], sys.executable, "-m", "brickyard", *argv],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                              start_new_session=True)

@@ -1,8 +1,6 @@
 """The suite's stand-in for torchrun's workers (``tests/warm_workers.py``) ends as the worker it stands for: its exit
-code, its signal, a signal sent to it reaching the worker, and the worker gone when the stand-in is killed outright;
-on a multi-node test's host, the worker is on that host. Every multi-process test relies on this; with it broken
-they would test something else than a user's job."""
-import json
+code, its signal, a signal sent to it reaching the worker, and the worker gone when the stand-in is killed outright.
+Every multi-process test relies on this; with it broken they would test something else than a user's job."""
 import os
 import signal
 import subprocess
@@ -11,7 +9,6 @@ import time
 import pytest
 
 import conftest
-import netns
 
 SCRIPT = """
 import os, signal, sys, time
@@ -67,37 +64,3 @@ def test_the_stand_in_ends_as_its_worker_does(tmp_path):
     while not _gone(worker) and time.time() < deadline:
         time.sleep(0.05)
     assert _gone(worker)
-
-
-HOST = """
-import json, os, socket, sys
-print(json.dumps({"warm": "torch" in sys.modules, "ns": [str(os.stat(f"/proc/self/ns/{k}").st_ino) for k in ("net", "mnt")],
-                  "links": sorted(name for _, name in socket.if_nameindex()), "hosts": open("/etc/hosts").read()}))
-"""
-
-
-def test_a_worker_forked_for_a_stand_in_on_a_host_is_on_that_host(tmp_path):
-    """Forked from a server outside the host, the worker joins the stand-in's network namespace (its interfaces,
-    the host's address) and mount namespace (the host's own /etc/hosts), as ``ip netns exec`` put the stand-in."""
-    if not conftest._WORKERS:
-        pytest.skip("no warm server for torchrun's workers (BRICKYARD_TESTS_COLD=1)")
-    if netns.unavailable():
-        pytest.skip(f"no network hosts: {netns.unavailable()}")
-    workers = conftest._WORKERS[0]
-    script = tmp_path / "where.py"
-    script.write_text(HOST)
-    hosts = netns.Hosts(1, names=["node01"])
-    try:
-        ns = hosts.hosts[0]
-        env = {**workers.envs[0], "TORCHELASTIC_RUN_ID": "x"}
-        out = subprocess.run(["ip", "netns", "exec", ns, workers.stand_in, "-u", str(script)], capture_output=True,
-                             text=True, env=env, timeout=60)
-        there = subprocess.run(["ip", "netns", "exec", ns, "stat", "-L", "-c", "%i", "/proc/self/ns/net",
-                                "/proc/self/ns/mnt"], capture_output=True, text=True, timeout=60).stdout.split()
-    finally:
-        hosts.close()
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    assert got["warm"]  # forked from the warm server, not started cold
-    assert got["ns"] == there and there[0] != str(os.stat("/proc/self/ns/net").st_ino)
-    assert got["links"] == ["eth0", "lo"] and "192.168.250.1 node01" in got["hosts"], got

@@ -11,14 +11,10 @@ go to the worker, the worker's pid is what the worker logs (tests signal it by t
 end (its exit code, or the same signal). A stand-in killed outright (SIGKILL, as torchrun's last resort or a test)
 takes the worker with it: the keeper sees its socket close and kills the worker.
 
-A stand-in on one of the multi-node tests' hosts (``netns.Hosts``: ``ip netns exec`` put it in the host's network
-namespace, and in a mount namespace where the host's own ``/etc/hosts`` is mounted) has its worker join those two
-namespaces, read from the stand-in's ``/proc/PID/ns``, before it runs: the worker is on that host, and on no other,
-as a cold one would be. ``PYTHONFAULTHANDLER``, which those hosts set, is turned on in the worker as Python's start
-would. Where the worker could still differ from a cold one, the stand-in starts it cold (``exec`` of the real
-Python): another value of a variable read when a library loads (``warm.LOAD_TIME``; torchrun's own per-job variables
-and the fault handler aside), another user, arguments other than ``-u -m MODULE`` or ``-u SCRIPT``, no server, or
-``BRICKYARD_TESTS_COLD=1``.
+Where the worker could differ from a cold one, the stand-in starts it cold (``exec`` of the real Python): another
+value of a variable read when a library loads (``warm.LOAD_TIME``; torchrun's own per-job variables aside), another
+network namespace (the multi-node tests' hosts) or user, arguments other than ``-u -m MODULE`` or ``-u SCRIPT``, no
+server, or ``BRICKYARD_TESTS_COLD=1``.
 """
 from __future__ import annotations
 
@@ -31,34 +27,14 @@ import tempfile
 
 from warm import LOAD_TIME
 
-# torchrun's variables for each job and rank, read when a process group starts, never when a library loads; the
-# fault handler, which the forked worker turns on itself; and the two a multi-node launcher sets (read when a process
-# group or a rendezvous starts)
-PER_JOB = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTHON_EXEC", "PYTHONFAULTHANDLER", "NCCL_SOCKET_IFNAME",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+# torchrun's variables for each job and rank, read when a process group starts, never when a library loads
+PER_JOB = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTHON_EXEC")
 
 
-def key(env, uid: int) -> str:
-    """The server a worker with ``env`` as ``uid`` may fork from."""
+def key(env, net: int, uid: int) -> str:
+    """The server a worker with ``env`` in network namespace ``net`` as ``uid`` may fork from."""
     loaded = sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME) and not k.startswith(PER_JOB))
-    return hashlib.sha256(json.dumps([loaded, uid]).encode()).hexdigest()[:16]
-
-
-def join_namespaces(pid: int) -> None:
-    """Join the network and mount namespaces of process ``pid`` where they are not this process's own (setns(2); this
-    process must have one thread)."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    for kind in ("net", "mnt"):  # the mount namespace last: it changes the root and working directory
-        theirs = f"/proc/{pid}/ns/{kind}"
-        if os.stat(theirs).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
-            continue
-        fd = os.open(theirs, os.O_RDONLY)
-        try:
-            if libc.setns(fd, 0) != 0:
-                raise OSError(ctypes.get_errno(), f"setns {theirs}")
-        finally:
-            os.close(fd)
+    return hashlib.sha256(json.dumps([loaded, net, uid]).encode()).hexdigest()[:16]
 
 
 _STAND_IN = r'''#!{python} -S
@@ -79,20 +55,15 @@ elif len(args) > 1 and not args[1].startswith("-"):
 else:
     cold()
 from warm_workers import key
-path = os.path.join(FOLDER, key(os.environ, os.getuid()) + ".sock")
+path = os.path.join(FOLDER, key(os.environ, os.stat("/proc/self/ns/net").st_ino, os.getuid()) + ".sock")
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
     s.connect(path)
 except OSError:
-    if os.environ.get("BRICKYARD_TESTS_WARM_LOG"):  # which load-time variables found no server
-        from warm import LOAD_TIME
-        with open(os.environ["BRICKYARD_TESTS_WARM_LOG"], "a") as log:
-            log.write(f"stand-in {{os.getpid()}} cold: {{sorted(k + '=' + v for k, v in os.environ.items() if k.startswith(LOAD_TIME))}}\n")
     cold()
 umask = os.umask(0o22)
 os.umask(umask)
-request = dict(target, env=dict(os.environ), cwd=os.getcwd(), umask=umask, cpus=sorted(os.sched_getaffinity(0)),
-               pid=os.getpid())
+request = dict(target, env=dict(os.environ), cwd=os.getcwd(), umask=umask, cpus=sorted(os.sched_getaffinity(0)))
 socket.send_fds(s, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
 pid, early = None, []
 def forward(n, _):
@@ -130,8 +101,8 @@ try:
     import torch.utils.tensorboard
 except ImportError:
     pass
-from warm_workers import join_namespaces, key
-path = os.path.join({folder!r}, key(os.environ, os.getuid()) + ".sock")
+from warm_workers import key
+path = os.path.join({folder!r}, key(os.environ, os.stat("/proc/self/ns/net").st_ino, os.getuid()) + ".sock")
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(path)
 listener.listen(64)
@@ -146,15 +117,11 @@ def run(conn, request, fds):
     for given in fds:
         os.close(given)
     conn.close()
-    join_namespaces(request["pid"])  # the stand-in's host (a multi-node test's), before its working directory
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["cpus"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if os.environ.get("PYTHONFAULTHANDLER"):  # as Python's start does
-        import faulthandler
-        faulthandler.enable(all_threads=True)
     sys.stdin = open(0, "r", closefd=False)
     for fd, name in ((1, "stdout"), (2, "stderr")):  # python -u: unbuffered, each write goes out at once
         old = getattr(sys, name)
@@ -240,7 +207,8 @@ class Workers:
 
     def ensure(self, env: dict[str, str]) -> None:
         """A server for ``env``'s load-time variables, started unless one is there."""
-        if all(key(e, os.getuid()) != key(env, os.getuid()) for e in self.envs):
+        net = os.stat("/proc/self/ns/net").st_ino
+        if all(key(e, net, os.getuid()) != key(env, net, os.getuid()) for e in self.envs):
             self.start(env)
 
     def start(self, env: dict[str, str]) -> None:
