@@ -459,6 +459,7 @@ def test_a_store_lost_after_every_node_joined_leaves_the_ending_to_the_workers()
     "not all 2 nodes joined ... (joined: 0, 1)" after its workers' own sentence (once in a full suite run of the
     bad-image test on two hosts). While torchrun's agent runs, that look counts as nobody waiting; the roll
     call's sentence for a store lost after every node joined says so, not that nodes are missing."""
+    import threading
     from types import SimpleNamespace
 
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -471,7 +472,7 @@ def test_a_store_lost_after_every_node_joined_leaves_the_ending_to_the_workers()
             raise RendezvousConnectionError("The connection to the C10d store has failed.")
 
     handler = object.__new__(DynamicRendezvousHandler)
-    handler._heartbeat_lock = __import__("threading").Lock()
+    handler._heartbeat_lock = threading.Lock()
     handler._state_holder = Lost()
     handler._record = lambda **_: None
     with workers_say_a_lost_store():
