@@ -243,10 +243,11 @@ def test_ctrl_c_stops_a_sweep_keeps_its_trials_and_resume_finishes_it(tmp_path):
     is kept, trial 1 is failed with its values queued again, and --resume trains them."""
     d = tmp_path / "int"
     p = _sweep_process(tmp_path, d, "--trials", "2", "--seed", "2", *sets("train.epochs=6"))
-    deadline = time.time() + 300
-    while time.time() < deadline and not (d / "trial-0001" / "train.log").is_file():
-        time.sleep(0.2)
-    time.sleep(1.0)
+    log, deadline = d / "trial-0001" / "train.log", time.time() + 300
+    # as soon as trial 1 logs its first steps: its 120 steps take about 0.6 s on a fast core (Zen 5), so a fixed pause
+    # after its log appeared let it finish first
+    while time.time() < deadline and not (log.is_file() and " step " in log.read_text()):
+        time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "continue with --resume" in out, (out[-2000:], err[-2000:])
