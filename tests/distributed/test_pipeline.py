@@ -159,16 +159,35 @@ def test_stages_cut_a_vit_at_its_blocks_and_compose_to_its_forward():
 @pytest.mark.fast
 @pytest.mark.parametrize("world, items, sentence", [
     (2, ("train.precision=fp16",), "train.precision: fp16 needs the loss scaler"),
-    (2, ("data.global_batch_size=30",), "dist.pipeline.microbatches: 4 does not divide a device's batch of 30 "
-                                        "(data.global_batch_size: 30); choose a divisor of it."),
-    (4, ("data.global_batch_size=20",), "dist.pipeline.microbatches: 4 does not divide a device's batch of 10 "
-                                        "(data.global_batch_size: 20 over 2 pipelines); choose a divisor of it."),
-    (4, ("data.global_batch_size=33",), "does not divide a device's batch of 17 (data.global_batch_size: 33 over 2 pipelines)"),
+    (2, ("data.global_batch_size=30", "dist.pipeline.microbatches=4"),
+     "dist.pipeline.microbatches: 4 does not divide a device's batch of 30 (data.global_batch_size: 30); choose a divisor of it."),
+    (4, ("data.global_batch_size=20", "dist.pipeline.microbatches=4"),
+     "dist.pipeline.microbatches: 4 does not divide a device's batch of 10 (data.global_batch_size: 20 over 2 pipelines); "
+     "choose a divisor of it."),
+    (4, ("data.global_batch_size=33", "dist.pipeline.microbatches=4"),
+     "does not divide a device's batch of 17 (data.global_batch_size: 33 over 2 pipelines)"),
 ])
 def test_what_a_pipeline_layout_cannot_do_is_one_sentence_before_anything_runs(world, items, sentence):
     cfg = load_config("mnist", SYNTH + ["dist.pipeline.stages=2", "dist.pipeline.split=[2]", *items])
     with pytest.raises(ConfigError, match=re.escape(sentence)):
         ways.choose(cfg, DistInfo(world_size=world)).check(_seq(3), None)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world, stages, batch, want", [
+    (2, 2, 64, [4]), (2, 2, 50, [5]), (4, 2, 50, [5, 5]), (4, 2, 51, [2, 5]), (2, 2, 47, [1]), (3, 3, 30, [6]),
+    (2, 2, 6, [3]), (2, 2, 1, [1]),
+])
+def test_auto_microbatches_are_the_divisor_of_each_device_batch_nearest_twice_the_stages(world, stages, batch, want):
+    """A batch no number of microbatches was chosen for trains, where a fixed 2 x stages would be refused: 50 on 2
+    stages is 5 microbatches of 10; 51 over 2 pipelines is 26 (2 of 13) and 25 (5 of 5); a prime batch is one."""
+    cfg = load_config("mnist", SYNTH + [f"dist.pipeline.stages={stages}", f"data.global_batch_size={batch}"])
+    way = ways.choose(cfg, DistInfo(world_size=world))
+    way.check(_seq(3), None)  # no sentence: auto takes a divisor
+    assert [way.microbatches(r) for r in range(world // stages)] == want
+    explicit = load_config("mnist", SYNTH + [f"dist.pipeline.stages={stages}", "dist.pipeline.microbatches=3",
+                                            "data.global_batch_size=48"])
+    assert explicit.dist.pipeline.microbatch_count(50) == 3  # a number is kept (and refused where it does not divide)
 
 
 def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoint(tmp_path):
@@ -288,11 +307,14 @@ def test_the_shapes_a_stage_is_given_leave_batch_norm_and_the_modes_as_they_were
 def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(tmp_path):
     """fashion_lean as the Fashion-MNIST presets train it (its first convolution whitened from the data, test-time
     flips), in bf16 (the activation sent between the stages is bf16: the stages are told so): the log describes the
-    whole model, and the permuted activation the first stage sends is made dense."""
-    r = train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=3",
-               "train.precision=bf16", "train.threads=1", "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
+    whole model, and the permuted activation the first stage sends is made dense. A batch of 30, which 2 x stages
+    does not divide, is cut into 5 microbatches by auto (and the epoch's last 2 images into 2)."""
+    r = train(tmp_path / "r", *SYNTH, "model.name=fashion_lean", "model.whiten=true", "data.tta=flip", "train.max_steps=0",
+              "train.epochs=1", "data.synthetic.num_train=62", "data.global_batch_size=30", "train.precision=bf16", "train.threads=1",
+              "train.plots=false", "dist.pipeline.stages=2", devices="cpu:2")
     log = (tmp_path / "r" / "train.log").read_text()
     assert "test accuracy:" in r.stdout and "whiten" in log and "model fashion_lean (" in log
+    assert "5 microbatches a step" in log and "(3 steps," in r.stdout
 
 
 def test_bench_times_each_schedule_and_each_stage(tmp_path):

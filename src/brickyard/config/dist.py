@@ -26,12 +26,21 @@ class FSDPConfig(Section):
 class PipelineConfig(Section):
     stages: int = _opt(1, min=1, doc="pipeline stages: the model split at block boundaries into this many parts, one a process (1: off); docs/distributed.md")
     schedule: str = _opt("gpipe", choices=("gpipe", "1f1b"), doc="torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B")
-    microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into; auto: 2 x stages")
+    microbatches: int | str = _opt("auto", min=1, choices_str=("auto",), doc="microbatches a device's batch is cut into (a number must divide it); auto: the divisor of the device's batch nearest 2 x stages")
     split: tuple = _opt((), names=True, doc="module names each later stage begins at, e.g. [layer3] (stages - 1 of them); empty: balanced as dist.pipeline.balance says")
     balance: str = _opt("params", choices=("params", "time", "memory"), doc="where the stages are cut without a split: params (each stage near 1/N of the parameters), time (of each block's forward and backward, measured on rank 0) or memory (the largest stage's parameters, gradients, optimiser state and activations in flight as small as it can be; `brickyard memory` shows each stage's)")
 
-    def microbatch_count(self) -> int:  # auto: 2 x stages, so each stage has a second microbatch to work on
-        return 2 * self.stages if self.microbatches == "auto" else int(self.microbatches)
+    def microbatch_count(self, batch: int = 0) -> int:
+        """Microbatches a device's ``batch`` is cut into. A number is kept (the way refuses one that does not divide
+        the batch). auto: 2 x stages, so each stage has a second microbatch to work on, or for a ``batch`` the
+        divisor of it nearest that (the larger on a tie: a batch of 50 on 2 stages is 5 microbatches of 10, a prime
+        batch one microbatch). The loss is a sum over the batch, so any count trains the weights of one process."""
+        if self.microbatches != "auto":
+            return int(self.microbatches)
+        want = 2 * self.stages
+        if batch < 1:
+            return want
+        return min((d for d in range(1, batch + 1) if batch % d == 0), key=lambda d: (abs(d - want), -d))
 
 
 @dataclass(frozen=True)

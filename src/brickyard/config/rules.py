@@ -127,9 +127,10 @@ def pipeline_alone(dist, boost, train, data, optim) -> None:
     ) if on]
     if other:
         raise ConfigError(f"dist.pipeline.stages: {p.stages} does not combine with {other[0]}.")
-    # a device's batch, when the config fixes it (a global batch is shared by the pipelines: the way checks it)
+    # a device's batch, when the config fixes it (a global batch is shared by the pipelines: the way checks it); auto
+    # takes a divisor of it
     m = p.microbatch_count()
-    if isinstance(data.batch_size, int) and not data.global_batch_size and data.batch_size % m:
+    if p.microbatches != "auto" and isinstance(data.batch_size, int) and not data.global_batch_size and data.batch_size % m:
         raise ConfigError(f"dist.pipeline.microbatches: {m} does not divide a device's batch (data.batch_size: "
                           f"{data.batch_size}); choose a divisor of it.")
 

@@ -100,16 +100,17 @@ def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3)
     return _balanced(seconds, stages)
 
 
-def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int, shards: int = 1) -> list[int]:
+def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int, shards: int = 1, microbatches: int = 0) -> list[int]:
     """Where ``dist.pipeline`` (``p``) cuts ``model``: at its split points, by parameter count, or balanced by time or
     by memory measured on the probe microbatch ``x`` (under the caller's autocast; ``shards``: FSDP's shards of a
-    stage, over which its parameters, gradients and optimiser state are divided)."""
+    stage, over which its parameters, gradients and optimiser state are divided; ``microbatches``: a step's, by
+    default ``p``'s count)."""
     if p.split or p.balance == "params":
         return cuts(model, p.stages, p.split)
     cuts(model, p.stages)  # more stages than pieces: its sentence
     if p.balance == "time":
         return timed_cuts(model, p.stages, x)
-    m = p.microbatch_count()
+    m = microbatches or p.microbatch_count()
     return memory_cuts(model, p.stages, x, state_copies, lambda i: in_flight(p.schedule, m, p.stages, i), shards)
 
 

@@ -190,18 +190,19 @@ def stage_estimates(cfg, model, data, precision: str, batch: int, world: int = 0
     copies, out = STATE_COPIES[cfg.optim.name], []
     shards = stage_shards(cfg, world)
     probe = copy_module.deepcopy(model)  # its batch norm statistics move: the model's are left as they were
+    m = p.microbatch_count(batch)
     with torch.random.fork_rng():
-        x = torch.randn(max(1, batch // p.microbatch_count()), data.in_channels, *data.image_size)
+        x = torch.randn(max(1, batch // m), data.in_channels, *data.image_size)
         with dev.autocast(torch.device("cpu"), precision):
-            starts = pp.planned_cuts(model, p, x, copies, shards)
+            starts = pp.planned_cuts(model, p, x, copies, shards, m)
         for i in range(p.stages):
-            out.append(_stage_estimate(p, probe, starts, i, x, precision, copies, shards))
+            out.append(_stage_estimate(p, probe, starts, i, x, precision, copies, shards, m))
             x = out[-1].pop("output")
     return out
 
 
 def _stage_estimate(p, model, starts: list[int], i: int, x: torch.Tensor, precision: str, copies: int,
-                    shards: int = 1) -> dict:
+                    shards: int = 1, microbatches: int = 0) -> dict:
     """Stage ``i``'s row of ``stage_estimates``, with its output (the next stage's input) under ``output``."""
     from brickyard.distributed import pipeline as pp  # lazy: pipeline runs only
     stage = pp.stage_module(model, starts, i).train()
@@ -209,7 +210,7 @@ def _stage_estimate(p, model, starts: list[int], i: int, x: torch.Tensor, precis
     grads = -(-sum(q.numel() * q.element_size() for q in stage.parameters() if q.requires_grad) // shards)
     with dev.autocast(torch.device("cpu"), precision):
         act, y = pp.saved_bytes(stage, x.detach().requires_grad_(i > 0))
-    flight = pp.in_flight(p.schedule, p.microbatch_count(), p.stages, i)
+    flight = pp.in_flight(p.schedule, microbatches or p.microbatch_count(), p.stages, i)
     return {"stage": i, "first": pp.pieces(model)[starts[i]][0], "parameters": params, "gradients": grads,
             "optimizer_state": copies * grads, "activations_per_microbatch": act, "in_flight": flight,
             "total": params + grads + copies * grads + act * flight, "output": y.float()}

@@ -128,8 +128,12 @@ class PipelineWay(Way):
         if self.cfg.train.precision == "fp16":
             raise ConfigError("train.precision: fp16 needs the loss scaler, which the pipeline's schedule does not "
                               "apply to its microbatches yet; use bf16 or fp32 with dist.pipeline.stages.")
-        if self.cfg.data.global_batch_size:  # shared by the pipelines (data.batch_size: the config checks it)
-            self.check_microbatches(self.cfg.data)
+        if self.cfg.data.global_batch_size and self.p.microbatches != "auto":  # shared by the pipelines
+            self.check_microbatches(self.cfg.data)  # (data.batch_size: the config checks it; auto takes a divisor)
+
+    def microbatches(self, replica: int) -> int:
+        """The microbatches of a full step of ``replica``'s pipeline (its device batch: ``microbatch_count``)."""
+        return self.p.microbatch_count(device_batches(self.cfg.data, 1, self.replicas)[replica])
 
     def check_microbatches(self, d) -> None:
         m = self.p.microbatch_count()
@@ -188,7 +192,7 @@ class PipelineWay(Way):
         place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
         place += f", tensor-parallel rank {self.tp_index} of {self.tp}" if self.tp > 1 else ""
         log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
-                 f"{held:,} of {total:,} parameters; {self.p.microbatch_count()} microbatches a step, schedule "
+                 f"{held:,} of {total:,} parameters; {self.microbatches(self.replica)} microbatches a step, schedule "
                  f"{self.p.schedule}; batch norm, if any, sees microbatch statistics{shards}")
         return self.stage
 
@@ -214,11 +218,12 @@ class PipelineWay(Way):
             return pp.cuts(model, self.p.stages, self.p.split)
         starts: list[int] = []
         if self.info.rank == 0:
-            batch = max(device_batches(self.cfg.data, 1, self.replicas)) // self.p.microbatch_count()
-            x = torch.randn(max(1, batch), *sample, device=host.device)
+            batch = max(device_batches(self.cfg.data, 1, self.replicas))
+            m = self.p.microbatch_count(batch)
+            x = torch.randn(max(1, batch // m), *sample, device=host.device)
             with dev.autocast(host.device, host.precision):
                 starts = pp.planned_cuts(model, self.p, x, STATE_COPIES[self.cfg.optim.name],
-                                         self.replicas if self.fsdp else 1)
+                                         self.replicas if self.fsdp else 1, m)
         box = [starts]
         tdist.broadcast_object_list(box, src=0)
         return list(box[0])
@@ -234,9 +239,9 @@ class PipelineWay(Way):
         """A stage and schedule for batches of ``n`` (torch's stages fix their shapes: given here, from ``x``)."""
         key = (n, train)
         if key not in self.schedules:
-            m = self.p.microbatch_count() if train else 1
+            m = self.p.microbatch_count(n) if train else 1
             while n % m:
-                m -= 1  # a short last batch: the largest divisor (the gradient is a sum either way)
+                m -= 1  # a short last batch: the largest divisor of it (the gradient is a sum either way)
             # imported here: torch.distributed.pipelining loads torch._dynamo and FSDP, which other runs never import
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
             received, sent = (self.io.batch(n // m, self.device) if self.io is not None else  # else the whole model's
@@ -362,4 +367,4 @@ class _StageTimes(Callback):
                          f"stages: fill and drain, the sends)")
         rows: list = [None] * w.info.world_size
         tdist.all_gather_object(rows, row)  # collective: every rank's summary is made together
-        return {"pipeline": {"schedule": w.p.schedule, "microbatches": w.p.microbatch_count(), "ranks": rows}}
+        return {"pipeline": {"schedule": w.p.schedule, "microbatches": w.microbatches(0), "ranks": rows}}
