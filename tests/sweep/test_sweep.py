@@ -246,7 +246,7 @@ def test_ctrl_c_stops_a_sweep_keeps_its_trials_and_resume_finishes_it(tmp_path):
     log, deadline = d / "trial-0001" / "train.log", time.time() + 300
     # as soon as trial 1 logs its first steps: its 120 steps take about 0.6 s on a fast core (Zen 5), so a fixed pause
     # after its log appeared let it finish first
-    while time.time() < deadline and not (log.is_file() and " step " in log.read_text()):
+    while time.time() < deadline and not (log.is_file() and "epoch 1 step " in log.read_text()):
         time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
