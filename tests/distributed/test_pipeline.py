@@ -92,6 +92,28 @@ def test_more_stages_than_blocks_is_one_sentence():
         _check(_seq(2), "dist.pipeline.stages=3", "data.batch_size=30")
 
 
+@pytest.mark.fast
+def test_every_stage_holds_weights_by_any_balance_and_a_split_that_leaves_one_none_is_one_sentence():
+    """mnist_cnn is 8 pieces and 3 of them have weights (conv1, conv2, fc): cut by parameters, by time or by memory,
+    3 stages each get one (a stage of a ReLU alone had no parameters, and its optimiser refused to be made); 4
+    stages, or a split whose stage is relu2 alone, are one sentence before anything trains."""
+    from brickyard.distributed import pipeline as pp
+    from brickyard.models import create
+    model = create("mnist_cnn", 10, 1, (28, 28))
+    parts = pp.pieces(model)
+    x = torch.randn(4, 1, 28, 28)
+    for starts in (pp.cuts(model, 3), pp.timed_cuts(model, 3, x, repeats=1),
+                   pp.memory_cuts(model, 3, x, 1, lambda i: 1)):
+        ends = starts[1:] + [len(parts)]
+        assert all(any(p.requires_grad for _, m in parts[a:b] for p in m.parameters()) for a, b in zip(starts, ends)), starts
+    with pytest.raises(ConfigError, match=re.escape("dist.pipeline.stages: 4 is more than the 3 blocks of Sequential that "
+                                                    "hold trainable weights (conv1, conv2, fc), and each stage needs some")):
+        pp.cuts(model, 4)
+    with pytest.raises(ConfigError, match=re.escape("dist.pipeline.split: stage 1 (relu2..relu2) would hold no trainable "
+                                                    "weights")):
+        pp.cuts(model, 3, ("relu2", "pool2"))
+
+
 def test_a_split_point_that_is_not_a_module_name_is_one_sentence():
     with pytest.raises(ConfigError, match=r"dist.pipeline.split: 'layer9' is not a module name of Sequential"):
         _check(_seq(3), "dist.pipeline.stages=2", "dist.pipeline.split=[layer9]")

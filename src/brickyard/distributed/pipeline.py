@@ -24,6 +24,7 @@ flight on that stage (``memory_cuts``); ``dist.pipeline.split`` names them inste
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,14 +52,26 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _holds(parts: list) -> list[bool]:
+    """Whether each piece has a trainable parameter: a stage needs one (its optimiser steps something)."""
+    return [any(q.requires_grad for q in m.parameters()) for _, m in parts]
+
+
 def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
     """The piece index each stage begins at (``stages`` of them, the first 0): at the names in ``split``, else
-    balanced by parameter count. One sentence for more stages than blocks or a name that is no block boundary."""
+    balanced by parameter count, every stage with a piece that has trainable weights. One sentence for more stages
+    than blocks (or than blocks with weights), a name that is no block boundary, or a split leaving a stage no
+    weights."""
     parts = pieces(model)
-    names = [n for n, _ in parts]
+    names, holds = [n for n, _ in parts], _holds(parts)
     if stages > len(parts):
         raise ConfigError(f"dist.pipeline.stages: {stages} is more than the {len(parts)} blocks of "
                           f"{type(model).__name__} ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).")
+    weighted = [n for n, h in zip(names, holds) if h]
+    if stages > len(weighted):
+        raise ConfigError(f"dist.pipeline.stages: {stages} is more than the {len(weighted)} blocks of "
+                          f"{type(model).__name__} that hold trainable weights ({', '.join(weighted[:6])}"
+                          f"{', ...' if len(weighted) > 6 else ''}), and each stage needs some to train.")
     if split:
         modules = dict(model.named_modules())
         at = []
@@ -74,8 +87,14 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
         at.sort()
         if len(set(at)) != len(at):
             raise ConfigError(f"dist.pipeline.split names a block twice: {list(split)}.")
-        return [0, *at]
-    return _balanced([_count(m) for _, m in parts], stages)
+        starts = [0, *at]
+        for i, (a, b) in enumerate(zip(starts, starts[1:] + [len(parts)])):
+            if not any(holds[a:b]):
+                raise ConfigError(f"dist.pipeline.split: stage {i} ({names[a]}..{names[b - 1]}) would hold no trainable "
+                                  f"weights, and each stage needs some to train; split at blocks with weights "
+                                  f"({', '.join(weighted[:6])}{', ...' if len(weighted) > 6 else ''}).")
+        return starts
+    return _balanced([_count(m) for _, m in parts], stages, holds)
 
 
 def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3) -> list[int]:
@@ -97,7 +116,7 @@ def timed_cuts(model: nn.Module, stages: int, x: torch.Tensor, repeats: int = 3)
                 best = min(best, time.perf_counter() - start)
             seconds.append(best)
             h = out.detach()
-    return _balanced(seconds, stages)
+    return _balanced(seconds, stages, _holds(pieces(probe)))
 
 
 def planned_cuts(model: nn.Module, p, x: torch.Tensor, state_copies: int, shards: int = 1, microbatches: int = 0) -> list[int]:
@@ -133,7 +152,9 @@ def memory_cuts(model: nn.Module, stages: int, x: torch.Tensor, state_copies: in
             grads = sum(q.numel() * q.element_size() for q in piece.parameters() if q.requires_grad)
             fixed.append((sum(q.numel() * q.element_size() for q in piece.parameters()) + grads * (1 + state_copies)) / shards)
             saved.append(held)
-    return _least_largest(lambda i, a, b: sum(fixed[a:b]) + sum(saved[a:b]) * flight(i), len(fixed), stages)
+    holds = _holds(pieces(probe))
+    return _least_largest(lambda i, a, b: sum(fixed[a:b]) + sum(saved[a:b]) * flight(i) if any(holds[a:b]) else math.inf,
+                          len(fixed), stages)
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -169,15 +190,18 @@ def _whole(names: list[str], begins: list[int]) -> bool:
     return begins == list(range(begins[0], begins[0] + len(begins)))
 
 
-def _balanced(sizes: list, stages: int) -> list[int]:
-    """Stage starts whose prefix sums of ``sizes`` come nearest k/N of the total, each stage one piece or more."""
-    total, prefix = sum(sizes), [0]
-    for s in sizes:
+def _balanced(sizes: list, stages: int, holds: list[bool]) -> list[int]:
+    """Stage starts whose prefix sums of ``sizes`` come nearest k/N of the total, each stage one piece or more and
+    at least one of them a piece that ``holds`` weights (``cuts`` made sure there are ``stages`` of those)."""
+    total, prefix, held = sum(sizes), [0], [0]
+    for s, h in zip(sizes, holds):
         prefix.append(prefix[-1] + s)
+        held.append(held[-1] + h)
     starts = [0]
     for k in range(1, stages):
         lo, hi = starts[-1] + 1, len(sizes) - (stages - k)  # room for the stages after this one
-        starts.append(min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - total * k / stages)))
+        ok = [i for i in range(lo, hi + 1) if held[i] > held[starts[-1]] and held[-1] - held[i] >= stages - k]
+        starts.append(min(ok or range(lo, hi + 1), key=lambda i: abs(prefix[i] - total * k / stages)))
     return starts
 
 
