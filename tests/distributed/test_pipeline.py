@@ -222,8 +222,8 @@ def test_sigterm_to_the_last_stage_stops_both_stages_at_one_step_with_a_checkpoi
     code, err = sigterm_rank_one(args, run, rows=3)
     assert code == 130, err
     log1 = run / "logs" / "workerlog.1"
-    m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `.*--resume auto`\.",
-                     err.strip())
+    m = re.fullmatch(r"error: SIGTERM to rank 1 at step (\d+): saved a checkpoint to (\S+); resume with `brickyard train "
+                     r"--run-dir \S+ --devices cpu:2 --resume auto`\.", err.strip())  # the layout it resumes on
     assert m, err
     step = int(m.group(1))
     assert step % 10 == 0 and checkpoint.load(m.group(2))["step"] == step

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,16 @@ def worker_argv(args, run_dir: Path, log_dir: Path, job: Job) -> list[str]:
     return argv
 
 
+def resume_flags(args, job: Job) -> str:
+    """The launch flags a resume of this job repeats (``--devices``, and the nodes of a job across machines), for
+    the sentence a stopped run ends with: a pipeline's or tensor-parallel group's run resumes on its layout or a
+    layout its config names, so `--resume auto` alone would start one process that its stages do not divide."""
+    flags = ["--devices", args.devices] if getattr(args, "devices", None) else []
+    if job.nnodes > 1:
+        flags += ["--nnodes", str(args.nnodes), "--master", str(job.master)]
+    return shlex.join(flags)
+
+
 def torchrun_argv(job: Job) -> list[str]:
     out = [f"--nproc-per-node={job.nproc}", f"--max-restarts={job.max_restarts}", "--monitor-interval=0.5"]
     if job.nnodes > 1:
@@ -183,6 +194,7 @@ def launch(args, cfg) -> int:
         print_result(summary)
         return 0
     worker = ["-m", "brickyard"] + worker_argv(args, run_dir, log_dir, job)
+    os.environ["BRICKYARD_RESUME_FLAGS"] = resume_flags(args, job)  # the workers' "resume with" names this layout
     parts = device_batches(cfg.data, cfg.train.grad_accum, max(1, readers_of(cfg, job.world)))
     return run_torchrun(job, worker, log_dir, f"global batch {sum(parts) * cfg.train.grad_accum}, "
                                               f"{max(parts)} per device; ")

@@ -279,8 +279,9 @@ class Trainer:
             where = f" to {run.last_checkpoint}" if run.last_checkpoint else ""
             restarting = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0  # e.g. a node joined an elastic job
             then = " (a group torchrun restarts resumes there by itself)" if restarting else ""
+            flags = os.environ.get("BRICKYARD_RESUME_FLAGS")  # the launcher's --devices (launch.torchrun.resume_flags)
             raise Interrupted(f"{run.stopped} at step {run.step}: saved a checkpoint{where}; resume with "
-                              f"`brickyard train --run-dir {run.run_dir} --resume auto`{then}.")
+                              f"`brickyard train --run-dir {run.run_dir}{' ' + flags if flags else ''} --resume auto`{then}.")
         return self._summary(started)
 
     def _log_step(self) -> None:
