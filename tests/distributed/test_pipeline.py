@@ -361,3 +361,20 @@ def test_bench_times_each_schedule_and_each_stage(tmp_path):
     assert re.search(r"stage 1, replica 0: computes [\d.]+ ms of each [\d.]+ ms step, idle [\d.]+%", r.stdout)
     assert "the schedule's own bubble (S - 1) / (M + S - 1) is 20.0% of a step" in r.stdout
     assert "cpu:2 1f1b" in r.stdout.split("efficiency")[-1]  # the table's rows
+
+
+@pytest.mark.fast
+def test_a_split_given_on_resume_is_checked_against_the_runs_stages(tmp_path):
+    """`brickyard train --run-dir R --resume auto --set dist.pipeline.split=[blocks.4]` of a 2-stage run: the split
+    is read with the run's saved config (2 stages, one split point), not the default preset's single stage."""
+    from brickyard.cli.main import _parser
+    from brickyard.cli.train import config_of
+    from brickyard.config import save_config
+    save_config(load_config("mnist", VIT + ["dist.pipeline.stages=2"]), tmp_path / "config.yaml")
+    over = ["dist.pipeline.split=[blocks.4]"]
+    args = _parser().parse_args(["train", "--run-dir", str(tmp_path), "--resume", "auto", "--set", *over])
+    cfg = config_of(args, over)
+    assert (cfg.dist.pipeline.stages, cfg.dist.pipeline.split) == (2, ("blocks.4",))
+    args = _parser().parse_args(["train", "--set", *over])
+    with pytest.raises(ConfigError, match="dist.pipeline.split names 1 module"):  # a new run of the default preset
+        config_of(args, over)

@@ -38,17 +38,24 @@ def add(sub) -> None:
     t.add_argument("--master", metavar="HOST:PORT", help="address of node 0 (or a rendezvous endpoint)")
 
 
+def config_of(args, overrides: list[str]):
+    """The command's config: a resumed run's saved one with the overrides (checked against it, not against the
+    default preset's: a split of the run's 2 stages is no error), else the named config's."""
+    if args.resume and args.run_dir:
+        return resume_config(args.run_dir, args.config, overrides, auto=args.resume == "auto")  # a file: its run's config
+    notes: list[str] = []
+    cfg = load_config(args.config or "mnist", overrides, notes=notes)
+    if dist.from_env().is_main and "LOCAL_RANK" not in os.environ:  # said once, by the command the user typed
+        for note in notes:
+            print(f"config: {note}", flush=True)
+    return cfg
+
+
 def run(args) -> int:
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"train.device={args.device}")
-    notes: list[str] = []
-    cfg = load_config(args.config or "mnist", overrides, notes=notes)
-    if args.resume and args.run_dir:
-        cfg = resume_config(args.run_dir, args.config, overrides, auto=args.resume == "auto")  # a file: its run's config
-    elif dist.from_env().is_main and "LOCAL_RANK" not in os.environ:  # said once, by the command the user typed
-        for note in notes:
-            print(f"config: {note}", flush=True)
+    cfg = config_of(args, overrides)
     launch.process_env(cfg)
     if args.devices and slurm.task_of_a_step():
         raise BrickyardError(f"--devices {args.devices} starts processes of its own, but srun has already started "
