@@ -1,4 +1,6 @@
 """`brickyard memory`: the breakdown, optimiser state per optimiser, the largest batch, OOM advice."""
+import os
+
 import pytest
 import torch
 
@@ -99,3 +101,38 @@ def test_batch_size_auto_on_a_cpu_keeps_an_epoch_of_steps(tmp_path):
                                                        "data.synthetic.num_train=2048"]), tmp_path / "r")
     chosen = load_config(str(tmp_path / "r" / "config.yaml")).data.batch_size
     assert chosen <= 2048 // 20 and s["steps"] >= 20  # it chose 2048 (one step) before
+
+
+@pytest.mark.fast
+def test_the_rows_of_tensor_parallel_are_rank_zeros_and_add_up_to_the_total():
+    """Tensor parallel's rows are what rank 0 holds (its shards and its whole layers), as the run logs them, not
+    FSDP's 1/world shards: the rows sum to the total."""
+    cfg = load_config("mnist", SYNTH + ["model.name=vit_tiny", "model.patch_size=7", "dist.tensor_parallel=2"])
+    data = build_data(cfg.data)
+    model = build_model(cfg, data)
+    est = memory.estimate(cfg, model, data, torch.device("cpu"), 2, compare=False)
+    whole = 4 * sum(p.numel() for p in model.parameters())
+    assert est["strategy"] == "tensor_parallel" and 0.5 * whole < est["parameters"] < whole
+    text = memory.report(est, None, "cpu")
+    assert "1/2" not in text and "gathered" not in text
+    rows = [line.rsplit("  ", 1) for line in text.splitlines()[1:8]]
+    assert [r[0].strip() for r in rows][:3] == ["parameters (rank 0's)", "gradients (rank 0's)",
+                                                "optimiser state (1 copy) (rank 0's)"]
+    assert rows[0][1].strip() == memory.fmt(est["parameters"])
+
+
+def test_memory_of_an_image_folder_counts_the_loader_workers_auto_plans(tmp_path):
+    """`data.num_workers: auto` (the default) on a folder of JPEGs: the workers the loader would start, not the
+    word, in the streaming loader's host buffers (it was multiplied in as a string, and the report crashed)."""
+    from PIL import Image
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("auto plans loader workers from 2 cores up")
+    for cls in ("a", "b"):
+        (tmp_path / "train" / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (40 + i, 30), (60 * i, 20, 200)).save(tmp_path / "train" / cls / f"{i}.jpg")
+    r = run_cli("memory", "mnist", "--set", "data.name=imagefolder", "--set", f"data.root={tmp_path}", "--set",
+                "model.name=mnist_cnn", "--set", "data.batch_size=4", "--set", "train.precision=fp32", "--set",
+                "data.train_transforms=[random_resized_crop:32]", "--set", "data.eval_transforms=[resize:32x32]")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "(host) streaming loader buffers" in r.stdout  # one process of 2 cores: auto plans 1 worker

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from brickyard import models
 from brickyard.data.augment import DevicePrep
-from brickyard.data.loaders import device_batches, readers_of
+from brickyard.data.loaders import _own_cores, device_batches, plan_workers, readers_of
 from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.metrics import fmt
@@ -136,7 +136,8 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         if in_memory else 0
     sample_b = c * h * w  # uint8 batches from the loader
     batch_b = batch * sample_b * 4 * 3  # the float batch, its normalised copy and the augmented one
-    loader_b = 0 if in_memory else cfg.data.num_workers * cfg.data.prefetch * batch * sample_b
+    workers = plan_workers(cfg.data.num_workers, True, device.type == "cpu", _own_cores(max(world_size, 1)))  # auto: as the loader plans
+    loader_b = 0 if in_memory else workers * cfg.data.prefetch * batch * sample_b
     world = max(world_size, 1)
     root_b, block_b = _units(m, cfg)
     low = 0.5 if precision in ("bf16", "fp16") else 1.0  # FSDP gathers in the compute precision
@@ -240,8 +241,10 @@ def report(est: dict, device_memory: int | None, device_label: str) -> str:
     lines = [f"memory per device ({device_label}, batch {est['batch']} per device, precision {est['precision']}, "
              f"world size {est['world_size']}, {est['strategy']}):"]
     copies = f"optimiser state ({est['optimizer_copies']} cop{'y' if est['optimizer_copies'] == 1 else 'ies'})"
-    if est["strategy"] == "ddp":
-        rows = [("parameters", est["parameters"]), ("gradients", est["gradients"]), (copies, est["optimizer_state"])]
+    if est["strategy"] in ("ddp", "tensor_parallel"):  # tensor parallel: rank 0's shards and its whole layers
+        mine = " (rank 0's)" if est["strategy"] == "tensor_parallel" else ""
+        rows = [(f"parameters{mine}", est["parameters"]), (f"gradients{mine}", est["gradients"]),
+                (f"{copies}{mine}", est["optimizer_state"])]
     else:
         where = "in host memory" if est["host_offloaded"] else f"1/{est['world_size']}"
         rows = [(f"parameters ({where})", 0 if est["host_offloaded"] else est["sharded"]["parameters"]),

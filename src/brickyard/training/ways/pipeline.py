@@ -191,8 +191,9 @@ class PipelineWay(Way):
                else f"balanced by each block's measured {self.p.balance}")
         place = f"stage {i} of {self.p.stages}" + (f", replica {self.replica} of {self.replicas}" if self.replicas > 1 else "")
         place += f", tensor-parallel rank {self.tp_index} of {self.tp}" if self.tp > 1 else ""
+        m = self.microbatches(self.replica)
         log.info(f"pipeline: rank {self.info.rank} is {place} ({how}): {parts[starts[i]][0]}..{parts[end - 1][0]}, "
-                 f"{held:,} of {total:,} parameters; {self.microbatches(self.replica)} microbatches a step, schedule "
+                 f"{held:,} of {total:,} parameters; {m} microbatch{'' if m == 1 else 'es'} a step, schedule "
                  f"{self.p.schedule}; batch norm, if any, sees microbatch statistics{shards}")
         return self.stage
 
