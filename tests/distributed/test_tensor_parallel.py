@@ -184,7 +184,12 @@ def test_the_plan_names_the_mlps_the_head_and_the_attention_it_splits():
     assert convnet.describe(2) == "fc rows split"
     mlp = tp.plan(create("mlp", 10, 1, (28, 28)), 2)
     assert (mlp.pairs, mlp.head) == ([("fc1", "fc2")], "fc")
-    assert tp.plan(create("mlp", 10, 1, (28, 28)), 3).pairs == []  # 256 hidden units do not split in 3 equal shards
+    three = tp.plan(create("mlp", 10, 1, (28, 28)), 3)
+    assert three.pairs == [] and three.mlps_kept == [("fc1", 256)]  # 256 hidden units do not split in 3 equal shards
+    assert three.describe(3) == "fc rows split; 1 MLP whole: a hidden width of 256 does not split evenly over 3"
+    five = tp.plan(create("vit_tiny", 10, 3, (14, 14), patch_size=14), 5)  # 3 heads and 768 hidden units over 5
+    assert five.describe(5) == ("head rows split; attention replicated: 3 heads over 5; 12 MLPs whole: a hidden width "
+                                "of 768 does not split evenly over 5")
     dropout = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert tp.plan(dropout, 2).pairs == []  # a dropout between would draw its mask on each shard apart
     assert not tp.plan(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten()), 2)

@@ -54,6 +54,7 @@ class Plan:
     head: str | None = None                                     # column parallel, output gathered
     heads_split: list[str] = field(default_factory=list)        # attention split by heads
     heads_kept: list[tuple[str, int]] = field(default_factory=list)  # attention left whole: (name, heads)
+    mlps_kept: list[tuple[str, int]] = field(default_factory=list)   # MLPs left whole: (first layer, hidden width)
 
     def __bool__(self) -> bool:
         return bool(self.pairs or self.head or self.heads_split)
@@ -69,17 +70,22 @@ class Plan:
         if self.heads_kept:
             heads = sorted({h for _, h in self.heads_kept})
             said += f"; attention replicated: {'/'.join(map(str, heads))} heads over {n}"
-        return said
+        if self.mlps_kept:
+            widths = sorted({w for _, w in self.mlps_kept})
+            said += (f"; {len(self.mlps_kept)} MLP{'s' if len(self.mlps_kept) != 1 else ''} whole: a hidden width of "
+                     f"{'/'.join(map(str, widths))} does not split evenly over {n}")
+        return said.lstrip("; ")
 
 
 def _linear(m: nn.Module | None) -> TypeGuard[nn.Linear]:
     return type(m) is nn.Linear  # not a subclass (attention's out_proj, a user's layer) whose forward may differ
 
 
-def _pairs(model: nn.Module, head: str | None, n: int) -> list[tuple[str, str]]:
+def _pairs(model: nn.Module, head: str | None, n: int) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
     """Linear, elementwise modules, Linear: in a Sequential, whose children run in that order on each other; the
-    hidden width split evenly (``RowwiseParallel`` reads its input's shape as N equal shards: ``DTensor.from_local``)."""
-    found = []
+    hidden width split evenly (``RowwiseParallel`` reads its input's shape as N equal shards: ``DTensor.from_local``).
+    Returns (the pairs split, (first layer, hidden width) of those whose width ``n`` does not divide)."""
+    found, kept = [], []
     for prefix, seq in model.named_modules():
         if not isinstance(seq, nn.Sequential):
             continue
@@ -91,12 +97,14 @@ def _pairs(model: nn.Module, head: str | None, n: int) -> list[tuple[str, str]]:
                 j += 1
             first, second = items[i][1], items[j][1] if j < len(items) else None
             if (_linear(first) and _linear(second) and items[j][0] != head
-                    and first.out_features == second.in_features and first.out_features % n == 0):
-                found.append((items[i][0], items[j][0]))
-                i = j + 1
-            else:
-                i += 1
-    return found
+                    and first.out_features == second.in_features):
+                if first.out_features % n == 0:
+                    found.append((items[i][0], items[j][0]))
+                    i = j + 1
+                    continue
+                kept.append((items[i][0], first.out_features))
+            i += 1
+    return found, kept
 
 
 def _strided_shard() -> bool:
@@ -122,8 +130,9 @@ def plan(model: nn.Module, n: int, head: bool = True) -> Plan:
     linears = [name for name, m in model.named_modules() if _linear(m)]
     classifier = linears[-1] if linears and head else None
     attention = [(name, m) for name, m in model.named_modules() if type(m) is nn.MultiheadAttention]
-    return Plan(_pairs(model, classifier, n), classifier, [a for a, m in attention if _splits_heads(m, n)],
-                [(a, m.num_heads) for a, m in attention if not _splits_heads(m, n)])
+    pairs, kept = _pairs(model, classifier, n)
+    return Plan(pairs, classifier, [a for a, m in attention if _splits_heads(m, n)],
+                [(a, m.num_heads) for a, m in attention if not _splits_heads(m, n)], kept)
 
 
 def apply(model: nn.Module, the_plan: Plan, mesh) -> None:
