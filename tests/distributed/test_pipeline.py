@@ -378,3 +378,15 @@ def test_a_split_given_on_resume_is_checked_against_the_runs_stages(tmp_path):
     args = _parser().parse_args(["train", "--set", *over])
     with pytest.raises(ConfigError, match="dist.pipeline.split names 1 module"):  # a new run of the default preset
         config_of(args, over)
+
+
+@pytest.mark.fast
+def test_bench_tells_the_tensor_parallel_ranks_of_a_stage_apart():
+    from brickyard.tools.bench import format_trained
+    rows = [{"stage": s, "replica": 0, "shard": t, "busy_ms": 3.0, "step_ms": 4.0, "idle": 0.25} for s in (0, 1) for t in (0, 1)]
+    r = {"model": "vit_tiny", "data": "mnist", "device": "cpu", "precision": "fp32", "world_size": 4, "global_batch": 32,
+         "way": "pipeline+tensor_parallel", "warmup": 2, "steps": 4, "images_per_second": 10.0, "images_per_second_min": 9.0,
+         "images_per_second_max": 11.0, "verdict": "pipeline",
+         "pipeline": {"schedule": "gpipe", "microbatches": 4, "textbook_bubble": 0.2, "ranks": rows}}
+    lines = [line for line in format_trained(r).splitlines() if line.startswith("  stage")]
+    assert len(set(lines)) == 4 and "  stage 1, replica 0, tensor-parallel rank 1: computes 3.0 ms" in lines[3]

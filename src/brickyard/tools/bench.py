@@ -255,7 +255,8 @@ def format_trained(r: dict) -> str:
                      f"(S - 1) / (M + S - 1) is {100 * pipe['textbook_bubble']:.1f}% of a step")
         for row in pipe["ranks"]:
             if row and row["idle"] is not None:
-                lines.append(f"  stage {row['stage']}, replica {row['replica']}: computes {row['busy_ms']:.1f} ms of each "
+                shard = f", tensor-parallel rank {row['shard']}" if row.get("shard") is not None else ""
+                lines.append(f"  stage {row['stage']}, replica {row['replica']}{shard}: computes {row['busy_ms']:.1f} ms of each "
                              f"{row['step_ms']:.1f} ms step, idle {100 * row['idle']:.1f}%")
     return "\n".join(lines + [f"verdict: {r['verdict']}"])
 

@@ -361,7 +361,7 @@ class _StageTimes(Callback):
 
     def summary(self, run) -> dict:
         w = self.way
-        row = {"stage": w.stage_index, "replica": w.replica, **w.clock.row()}
+        row = {"stage": w.stage_index, "replica": w.replica, "shard": w.tp_index if w.tp > 1 else None, **w.clock.row()}
         if row["idle"] is not None:
             run.log.info(f"pipeline: stage {w.stage_index} computed {row['busy_ms']:.1f} ms of each {row['step_ms']:.1f} ms "
                          f"step ({row['steps']} steps timed): idle {100 * row['idle']:.1f}% (waiting for the other "
