@@ -52,6 +52,11 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _listed(names: list[str]) -> str:
+    """Names for a sentence: all of up to 16, else the first 8 and the last 4 (the head's piece among them)."""
+    return ", ".join(names if len(names) <= 16 else [*names[:8], "...", *names[-4:]])
+
+
 def _holds(parts: list) -> list[bool]:
     """Whether each piece has a trainable parameter: a stage needs one (its optimiser steps something)."""
     return [any(q.requires_grad for q in m.parameters()) for _, m in parts]
@@ -66,12 +71,12 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
     names, holds = [n for n, _ in parts], _holds(parts)
     if stages > len(parts):
         raise ConfigError(f"dist.pipeline.stages: {stages} is more than the {len(parts)} blocks of "
-                          f"{type(model).__name__} ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).")
+                          f"{type(model).__name__} ({_listed(names)}).")
     weighted = [n for n, h in zip(names, holds) if h]
     if stages > len(weighted):
         raise ConfigError(f"dist.pipeline.stages: {stages} is more than the {len(weighted)} blocks of "
-                          f"{type(model).__name__} that hold trainable weights ({', '.join(weighted[:6])}"
-                          f"{', ...' if len(weighted) > 6 else ''}), and each stage needs some to train.")
+                          f"{type(model).__name__} that hold trainable weights ({_listed(weighted)}), and each stage "
+                          f"needs some to train.")
     if split:
         modules = dict(model.named_modules())
         at = []
@@ -82,7 +87,7 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
             begins = [i for i, n in enumerate(names) if n == name or n.startswith(name + ".")]  # layer3: layer3.0
             if not begins or begins[0] == 0 or not _whole(names, begins):
                 raise ConfigError(f"dist.pipeline.split: {name!r} is not a block boundary of {type(model).__name__}; "
-                                  f"a stage can begin at {', '.join(names[1:7])}{', ...' if len(names) > 7 else ''}.")
+                                  f"a stage can begin at {_listed(names[1:])}.")
             at.append(begins[0])
         at.sort()
         if len(set(at)) != len(at):
@@ -92,7 +97,7 @@ def cuts(model: nn.Module, stages: int, split: tuple = ()) -> list[int]:
             if not any(holds[a:b]):
                 raise ConfigError(f"dist.pipeline.split: stage {i} ({names[a]}..{names[b - 1]}) would hold no trainable "
                                   f"weights, and each stage needs some to train; split at blocks with weights "
-                                  f"({', '.join(weighted[:6])}{', ...' if len(weighted) > 6 else ''}).")
+                                  f"({_listed(weighted)}).")
         return starts
     return _balanced([_count(m) for _, m in parts], stages, holds)
 
