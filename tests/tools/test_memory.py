@@ -136,3 +136,19 @@ def test_memory_of_an_image_folder_counts_the_loader_workers_auto_plans(tmp_path
                 "data.train_transforms=[random_resized_crop:32]", "--set", "data.eval_transforms=[resize:32x32]")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "(host) streaming loader buffers" in r.stdout  # one process of 2 cores: auto plans 1 worker
+
+
+@pytest.mark.fast
+def test_precision_auto_is_not_measured_at_a_batch_that_would_take_the_memory_asked_about(monkeypatch):
+    """Where `auto` is measured (a CPU with native bf16), the estimate times real fp32 and bf16 steps at the batch:
+    not when their activations would pass half the available memory (ResNet-18 at 224 px and 256 a batch held
+    28 GiB and was killed). Then the rule decides; with room, the measurement runs as before."""
+    calls = []
+    monkeypatch.setattr(memory, "needs_measuring", lambda *a: True)
+    monkeypatch.setattr(memory, "for_model", lambda *a: calls.append(a[3]) or "fp32")
+    monkeypatch.setattr(memory, "_available_host_memory", lambda: 2**20)  # 1 MiB: no batch of mnist_cnn fits in half
+    est, _, _ = _est("data.batch_size=64", "train.precision=auto")
+    assert calls == [] and est["batch"] == 64
+    monkeypatch.setattr(memory, "_available_host_memory", lambda: 2**34)
+    est, _, _ = _est("data.batch_size=64", "train.precision=auto")
+    assert calls == [64] and est["precision"] == "fp32"

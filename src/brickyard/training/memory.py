@@ -31,7 +31,7 @@ from brickyard.observe.metrics import fmt
 from brickyard.optim import STATE_COPIES, build_optimizer, param_groups
 from brickyard.training import activation_checkpointing, ways
 from brickyard.training import device as dev
-from brickyard.training.precision import for_model
+from brickyard.training.precision import MAX_BATCH, for_model, needs_measuring
 from brickyard.training.ways.pipeline import stage_shards
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -93,6 +93,17 @@ def _activations_per_batch(model, data, channels_last: bool, precision: str, che
     return max(0.0, acts[0] - per_sample * sizes[0]), per_sample
 
 
+def _room_to_measure(model, data, batch: int, channels_last: bool) -> bool:
+    """Whether ``precision: auto``'s measurement (real fp32 and bf16 steps at ``batch``, where it is measured) fits
+    in half of the host's available memory: the estimate must not take the memory it is asked about (ResNet-18 at
+    224 px and a batch of 256 would hold about 28 GiB). Judged by the fp32 activations of two small batches."""
+    if not data.is_images:
+        return True
+    probe = copy_module.deepcopy(model).to(torch.device("cpu")).train()
+    fixed, per_sample = _activations_per_batch(probe, data, channels_last, "fp32")
+    return fixed + per_sample * min(batch, MAX_BATCH) <= _available_host_memory() // 2
+
+
 def _units(model, cfg) -> tuple[int, int]:
     """(bytes of the root's own parameters, of the largest block's) as FSDP would shard them, in fp32."""
     modules = dict(model.named_modules())
@@ -109,7 +120,9 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
     # as training resolves it here: auto measured on a CPU with native bf16 (the report; recalled once a run
     # has measured), by the rule where nothing is known yet of the batch (batch_size: auto, an error's tips)
     batch = device_batch(cfg, max(1, readers_of(cfg, world_size)))  # a pipeline's stages share one batch
-    precision = for_model(cfg.train.precision, model, data, batch, device, channels_last) if compare and batch > 1 \
+    measure = (compare and batch > 1 and needs_measuring(cfg.train.precision, device)
+               and _room_to_measure(model, data, batch, channels_last))
+    precision = for_model(cfg.train.precision, model, data, batch, device, channels_last) if measure \
         else dev.resolve_precision(cfg.train.precision, device)
     tp_n, param_b, grad_b = _held(cfg, model)
     copies = STATE_COPIES[cfg.optim.name]
