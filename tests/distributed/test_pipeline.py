@@ -17,7 +17,7 @@ from brickyard.data import build_data
 from brickyard.distributed.env import DistInfo
 from brickyard.errors import ConfigError
 from brickyard.training import checkpoint, memory, ways
-from conftest import SYNTH, sets, sigterm_rank_one
+from conftest import SYNTH, run_cli, sets, sigterm_rank_one
 from layouts import CLIP, VIT, diff, last, moved, reference, train
 
 
@@ -195,6 +195,22 @@ def test_what_a_pipeline_layout_cannot_do_is_one_sentence_before_anything_runs(w
         ways.choose(cfg, DistInfo(world_size=world)).check(_seq(3), None)
 
 
+@pytest.mark.parametrize("extra, devices, sentence", [
+    (["dist.pipeline.stages=2"], "cpu:3", "dist.pipeline.stages: 2 does not divide the job's 3 processes"),
+    (["dist.pipeline.stages=2", "data.global_batch_size=30", "dist.pipeline.microbatches=4"], "cpu:2",
+     "dist.pipeline.microbatches: 4 does not divide a device's batch of 30"),
+    (["dist.tensor_parallel=2"], "cpu:3", "dist.tensor_parallel: 2 does not divide the job's 3 processes"),
+    (["dist.pipeline.stages=2", "train.precision=fp16"], "cpu:2", "train.precision: fp16 needs the loss scaler"),
+])
+def test_a_layout_the_way_refuses_is_said_by_the_launcher_before_any_worker_starts(tmp_path, extra, devices, sentence):
+    """What needs no model (the processes, fp16, a number of microbatches) is refused by the command itself: one
+    line, no "launching" line, no worker and no run directory (it was said by the workers, 5-8 s in)."""
+    run = tmp_path / "run"
+    r = run_cli("train", *sets(*SYNTH, *extra), "--devices", devices, "--run-dir", str(run))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {sentence}") and r.stderr.count("\n") == 1, r.stderr
+    assert "launching" not in r.stdout and not run.exists()
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("world, stages, batch, want", [
     (2, 2, 64, [4]), (2, 2, 50, [5]), (4, 2, 50, [5, 5]), (4, 2, 51, [2, 5]), (2, 2, 47, [1]), (3, 3, 30, [6]),
@@ -342,7 +358,6 @@ def test_a_batch_norm_net_with_whitening_and_flipped_views_trains_in_two_stages(
 def test_bench_times_each_schedule_and_each_stage(tmp_path):
     """`brickyard bench` of a pipeline config: each schedule a real 2-process training job of the trainer's step, its
     images/s, each stage's compute against its step and the schedule's own bubble, in the table and bench.json."""
-    from conftest import run_cli
     recipe = [s for s in VIT if not s.startswith(("train.max_steps", "checkpoint"))] + ["dist.pipeline.stages=2",
                                                                                          "dist.pipeline.microbatches=4"]
     r = run_cli("bench", "mnist", *sets(*recipe), "--steps", "6", "--warmup", "3", "--out", str(tmp_path))

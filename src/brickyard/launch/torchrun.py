@@ -178,6 +178,10 @@ def launch(args, cfg) -> int:
     from brickyard.training.rundir import RunDir, default_path
     job = Job.from_args(args, cfg.dist.timeout_s)
     check_readers(cfg, job.world)
+    if not job.min_nodes:  # a job of a fixed size: its layout is refused here, before any worker starts
+        from brickyard.distributed.env import DistInfo
+        from brickyard.training import ways  # lazy: imports torch, as the checks above
+        ways.choose(cfg, DistInfo(world_size=job.world)).check_layout()
     run_dir = Path(args.run_dir) if args.run_dir else default_path(cfg.preset)
     if job.hosts_rendezvous():  # before any worker starts: the directory is free and may take this run
         RunDir(run_dir, owner=True).probe(args.resume, restarting=bool(job.max_restarts))

@@ -28,6 +28,10 @@ class Way:
     def check(self, model, resume: str | None) -> None:
         """What this way refuses of the run, in one sentence, before anything is written."""
 
+    def check_layout(self) -> None:
+        """What this way refuses of the job's layout (its processes, precision and batch) without a model: the
+        launcher asks before any worker starts; ``check`` asks it again in each process."""
+
     @property
     def readers(self) -> int:
         """Processes that read data and train (all but a parameter server's servers)."""

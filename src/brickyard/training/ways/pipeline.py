@@ -115,16 +115,19 @@ class PipelineWay(Way):
         return self.replica
 
     def check(self, model, resume):
+        self.check_layout()
         pp.cuts(model, self.p.stages, self.p.split)
+        if self.tp > 1 and not tp.plan(model, self.tp):
+            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
+                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
+
+    def check_layout(self):
         world, per = self.info.world_size, self.p.stages * self.tp
         if world % per:
             split = f" x dist.tensor_parallel: {self.tp}" if self.tp > 1 else ""
             raise ConfigError(f"dist.pipeline.stages: {self.p.stages}{split} does not divide the job's {world} "
                               f"processes; a job runs whole pipelines (processes = stages x "
                               f"{'tensor-parallel ranks x ' if self.tp > 1 else ''}replicas).")
-        if self.tp > 1 and not tp.plan(model, self.tp):
-            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
-                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
         if self.cfg.train.precision == "fp16":
             raise ConfigError("train.precision: fp16 needs the loss scaler, which the pipeline's schedule does not "
                               "apply to its microbatches yet; use bf16 or fp32 with dist.pipeline.stages.")

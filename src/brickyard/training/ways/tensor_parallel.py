@@ -57,13 +57,16 @@ class TensorParallelWay(Way):
         return self.replica
 
     def check(self, model, resume):
+        self.check_layout()
+        if not tp.plan(model, self.n):
+            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
+                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
+
+    def check_layout(self):
         world = self.info.world_size
         if world % self.n:
             raise ConfigError(f"dist.tensor_parallel: {self.n} does not divide the job's {world} processes; a job runs "
                               f"whole groups (processes = {self.n} x replicas).")
-        if not tp.plan(model, self.n):
-            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
-                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
         if self.cfg.train.precision == "fp16":
             raise ConfigError(_FP16)
 
