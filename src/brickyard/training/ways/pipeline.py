@@ -115,8 +115,8 @@ class PipelineWay(Way):
         return self.replica
 
     def check(self, model, resume):
-        self.check_layout()
         pp.cuts(model, self.p.stages, self.p.split)
+        self.check_layout()
         if self.tp > 1 and not tp.plan(model, self.tp):
             raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
                               f"nn.Linear); train it with dist.tensor_parallel: 1.")
