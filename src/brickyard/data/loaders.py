@@ -231,6 +231,11 @@ def plan_workers(value, streams: bool, cpu: bool, cores: int) -> int:
     return cores // 2 if cpu else max(0, min(8, cores - 1))
 
 
+def stream_workers(value, device: torch.device, world: int) -> int:
+    """``data.num_workers`` (``value``) of a streaming loader in one of ``world`` processes sharing this machine."""
+    return plan_workers(value, True, device.type == "cpu", _own_cores(world))
+
+
 def _own_cores(world: int) -> int:
     """This process's share of the CPUs it may run on, when ``world`` processes share them (``auto``
     workers outside ``train()``, which plans them with its threads in ``training.device.setup``)."""
@@ -250,8 +255,7 @@ def make_train_loader(split: Split, cfg, device: torch.device, world: int, rank:
         raise ConfigError("data.loader: 'memory' needs a data set held as tensors; this one streams from files, use stream.")
     if kind == "memory":
         return InMemoryLoader(split, plan, device)
-    workers = plan_workers(cfg.num_workers, True, device.type == "cpu", _own_cores(world))
-    return StreamLoader(split, plan, device, workers, cfg.prefetch, cfg.pin_memory)
+    return StreamLoader(split, plan, device, stream_workers(cfg.num_workers, device, world), cfg.prefetch, cfg.pin_memory)
 
 
 def eval_count(split: Split, limit: int = 0) -> int:
@@ -272,7 +276,7 @@ def eval_batches(split: Split, batch_size: int, device: torch.device, world: int
     if getattr(split.dataset, "seeded", False):  # random eval transforms, if any, draw the same on every run
         keys = [(i, i) for i in keys]
     subset = torch.utils.data.Subset(split.dataset, keys)
-    workers = plan_workers(num_workers, True, device.type == "cpu", _own_cores(world))
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers, **_batching(split))
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=stream_workers(num_workers, device, world),
+                                         **_batching(split))
     for x, y in _clean_errors(loader):
         yield x.to(device), y.to(device)

@@ -40,7 +40,7 @@ from torch import nn
 from brickyard.distributed.flat import flatten, load_flat
 from brickyard.distributed.fsdp import is_dtensor
 from brickyard.distributed.gradsync import GradSync, broadcast_flat, spin_wait
-from brickyard.errors import BrickyardError
+from brickyard.errors import BrickyardError, ConfigError
 
 # modules applied element by element: between a column and a row parallel layer they see a split activation
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU,
@@ -133,6 +133,13 @@ def plan(model: nn.Module, n: int, head: bool = True) -> Plan:
     pairs, kept = _pairs(model, classifier, n)
     return Plan(pairs, classifier, [a for a, m in attention if _splits_heads(m, n)],
                 [(a, m.num_heads) for a, m in attention if not _splits_heads(m, n)], kept)
+
+
+def require_plan(model: nn.Module, n: int) -> None:
+    """One sentence for a model with nothing ``plan`` can split across ``n`` ranks (no ``nn.Linear``)."""
+    if not plan(model, n):
+        raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
+                          f"nn.Linear); train it with dist.tensor_parallel: 1.")
 
 
 def apply(model: nn.Module, the_plan: Plan, mesh) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from brickyard import models
 from brickyard.data.augment import DevicePrep
-from brickyard.data.loaders import _own_cores, device_batches, plan_workers, readers_of
+from brickyard.data.loaders import device_batches, readers_of, stream_workers
 from brickyard.errors import BrickyardError
 from brickyard.models import find_blocks
 from brickyard.observe.metrics import fmt
@@ -149,8 +149,7 @@ def estimate(cfg, model, data, device: torch.device, world_size: int = 1, compar
         if in_memory else 0
     sample_b = c * h * w  # uint8 batches from the loader
     batch_b = batch * sample_b * 4 * 3  # the float batch, its normalised copy and the augmented one
-    workers = plan_workers(cfg.data.num_workers, True, device.type == "cpu", _own_cores(max(world_size, 1)))  # auto: as the loader plans
-    loader_b = 0 if in_memory else workers * cfg.data.prefetch * batch * sample_b
+    loader_b = 0 if in_memory else stream_workers(cfg.data.num_workers, device, max(world_size, 1)) * cfg.data.prefetch * batch * sample_b
     world = max(world_size, 1)
     root_b, block_b = _units(m, cfg)
     low = 0.5 if precision in ("bf16", "fp16") else 1.0  # FSDP gathers in the compute precision

@@ -117,9 +117,8 @@ class PipelineWay(Way):
     def check(self, model, resume):
         pp.cuts(model, self.p.stages, self.p.split)
         self.check_layout()
-        if self.tp > 1 and not tp.plan(model, self.tp):
-            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
-                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
+        if self.tp > 1:
+            tp.require_plan(model, self.tp)
 
     def check_layout(self):
         world, per = self.info.world_size, self.p.stages * self.tp

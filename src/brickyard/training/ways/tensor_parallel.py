@@ -58,9 +58,7 @@ class TensorParallelWay(Way):
 
     def check(self, model, resume):
         self.check_layout()
-        if not tp.plan(model, self.n):
-            raise ConfigError(f"dist.tensor_parallel: {type(model).__name__} has no layer tensor parallel can split (an "
-                              f"nn.Linear); train it with dist.tensor_parallel: 1.")
+        tp.require_plan(model, self.n)
 
     def check_layout(self):
         world = self.info.world_size
